@@ -1,0 +1,32 @@
+# Every target sets up what it needs first: a virtual environment that reuses an
+# installed torch (system site packages) or installs torch==2.13.0 when there is
+# none, then this package in editable mode with megatron-core and the test tools.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.twinkle-megatron-installed
+
+.PHONY: setup test demo lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+demo: $(STAMP)
+	$(PY) examples/demo_metrics.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	@for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

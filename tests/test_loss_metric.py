@@ -1,0 +1,168 @@
+"""LossMetric: layout invariance against a single-process reference, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from batches import megatron_rank_shard, split_microbatches
+from distributed import Layout, run_distributed
+
+from twinkle_megatron import LossMetric, MetricCollection, ParallelContext
+
+GLOBAL_BATCH, SEQ = 8, 12
+LAYOUTS = [
+    Layout(),
+    Layout(tp=2),
+    Layout(tp=2, pp=2),
+    Layout(cp=2, dp=2),
+    Layout(tp=2, pp=2, dp=2),
+]
+
+
+def global_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses and labels (about a quarter ignored) of the whole global batch."""
+    generator = torch.Generator().manual_seed(seed)
+    losses = torch.rand(GLOBAL_BATCH, SEQ, generator=generator, dtype=torch.float64) * 5
+    labels = torch.randint(0, 50, (GLOBAL_BATCH, SEQ), generator=generator)
+    labels[torch.rand(GLOBAL_BATCH, SEQ, generator=generator) < 0.25] = -100
+    return losses.float(), labels
+
+
+def reference_loss() -> float:
+    losses, labels = global_batch()
+    mask = labels != -100
+    return float(losses.double()[mask].sum() / mask.sum())
+
+
+def _accumulate_megatron_style(num_microbatches: int, as_list: bool, per_token: bool) -> dict:
+    """Every last-stage rank passes its local loss sums; earlier stages never accumulate."""
+    from megatron.core import parallel_state as ps
+
+    losses, labels = global_batch()
+    local_losses, local_labels = megatron_rank_shard(losses), megatron_rank_shard(labels)
+    metric = LossMetric(loss_reduction="sum")
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        loss_mbs = split_microbatches(local_losses, num_microbatches)
+        label_mbs = split_microbatches(local_labels, num_microbatches)
+        inputs = [{"labels": labels} for labels in label_mbs]
+        if per_token:
+            outputs = {"loss": loss_mbs if as_list else local_losses}
+        else:
+            sums = [(loss * (labels != -100)).sum() for loss, labels in zip(loss_mbs, label_mbs)]
+            outputs = {"loss": sums if as_list else sum(sums)}
+        outputs["grad_norm"] = torch.tensor(1.5 + ps.get_data_parallel_rank())
+        metric.accumulate(inputs, outputs)
+    return metric.calculate()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_loss_sum_matches_single_process_reference(layout):
+    expected = reference_loss()
+    for num_microbatches, as_list, per_token in [(1, True, False), (2, True, False), (2, False, False),
+                                                 (1, True, True), (2, True, True)]:
+        results = run_distributed(_accumulate_megatron_style, layout=layout,
+                                  args=(num_microbatches, as_list, per_token))
+        assert all(r == results[0] for r in results), f"ranks disagree: {results}"
+        assert results[0]["loss"] == pytest.approx(expected, rel=1e-6)
+        assert results[0]["grad_norm"] == pytest.approx(1.5 + layout.dp - 1)
+
+
+def test_loss_single_process_plain_call():
+    losses, labels = global_batch()
+    metric = LossMetric(loss_reduction="sum")
+    for loss, label in zip(split_microbatches(losses, 4), split_microbatches(labels, 4)):
+        metric.accumulate({"labels": label}, {"loss": (loss * (label != -100)).sum()})
+    assert metric.calculate()["loss"] == pytest.approx(reference_loss(), rel=1e-6)
+    assert metric.calculate() == {}, "calculate() resets, and no data gives {}"
+
+
+def _twinkle_mean_loss(value: float) -> dict:
+    # Twinkle's Megatron model hands every rank the loss already averaged over DP.
+    metric = LossMetric(loss_reduction="mean")
+    metric.accumulate([{"labels": torch.ones(2, 3, dtype=torch.long)}] * 2, {"loss": [value, value]})
+    return metric.calculate()
+
+
+def test_loss_mean_of_an_already_averaged_loss_stays_the_same():
+    results = run_distributed(_twinkle_mean_loss, layout=Layout(tp=2, pp=2, dp=2), args=(2.75,))
+    assert all(r == {"loss": 2.75} for r in results)
+
+
+def test_loss_mean_weighs_values_equally():
+    metric = LossMetric()
+    metric.accumulate([{}, {}, {}], {"loss": [1.0, torch.tensor(2.0), torch.tensor([6.0])]})
+    assert metric.calculate() == {"loss": 3.0}
+
+
+def test_num_tokens_from_outputs_or_keyword():
+    metric = LossMetric(loss_reduction="sum")
+    metric.accumulate({}, {"loss": torch.tensor(6.0), "num_tokens": torch.tensor(3)})
+    metric.accumulate({}, {"loss": 4.0}, num_tokens=1)
+    assert metric.calculate()["loss"] == pytest.approx(10.0 / 4)
+
+
+def test_nonfinite_loss_is_counted_not_averaged():
+    metric = LossMetric()
+    metric.accumulate([{}, {}, {}], {"loss": [1.0, float("nan"), 3.0]})
+    assert metric.calculate() == {"loss": 2.0, "nonfinite_losses": 1}
+    metric.accumulate({}, {"loss": float("inf")})
+    result = metric.calculate()
+    assert math.isnan(result["loss"]) and result["nonfinite_losses"] == 1
+
+
+def _nan_loss_on_one_rank() -> dict:
+    import torch.distributed as dist
+
+    metric = LossMetric()
+    loss = float("nan") if dist.get_rank() == 1 else 2.0
+    metric.accumulate({}, {"loss": loss})
+    return metric.calculate()
+
+
+def test_nonfinite_loss_on_one_rank_is_reported_on_every_rank():
+    results = run_distributed(_nan_loss_on_one_rank, 4)
+    assert all(r == {"loss": 2.0, "nonfinite_losses": 1} for r in results)
+
+
+# ----------------------------------------------------------------- bad input
+
+
+def test_unknown_loss_reduction():
+    with pytest.raises(ValueError, match="loss_reduction must be one of"):
+        LossMetric(loss_reduction="avg")
+
+
+def test_per_token_loss_and_labels_of_different_shapes():
+    metric = LossMetric()
+    with pytest.raises(ValueError, match=r"loss has shape \(2, 3\) but labels has shape \(2, 4\)"):
+        metric.accumulate({"labels": torch.zeros(2, 4, dtype=torch.long)}, {"loss": torch.ones(2, 3)})
+
+
+def test_outputs_list_and_microbatch_list_of_different_lengths():
+    metric = LossMetric()
+    with pytest.raises(ValueError, match=r"outputs\['loss'\] has 3 microbatch entries but inputs has 2"):
+        metric.accumulate([{}, {}], {"loss": [1.0, 2.0, 3.0]})
+
+
+def test_sum_reduction_without_any_token_count():
+    with pytest.raises(ValueError, match="num_tokens"):
+        LossMetric(loss_reduction="sum").accumulate({}, {"loss": 1.0})
+
+
+def test_state_dict_round_trip_continues_accumulation():
+    metric = LossMetric(loss_reduction="sum")
+    metric.accumulate({}, {"loss": 6.0, "num_tokens": 3})
+    resumed = LossMetric(loss_reduction="sum")
+    resumed.load_state_dict(metric.state_dict())
+    resumed.accumulate({}, {"loss": 2.0, "num_tokens": 1})
+    assert resumed.calculate() == {"loss": 2.0}
+
+
+def test_collection_state_dict_and_explicit_context():
+    collection = MetricCollection({"loss": LossMetric(device_mesh=ParallelContext.single())})
+    collection.accumulate({}, {"loss": 1.0})
+    restored = MetricCollection([LossMetric()])
+    restored.load_state_dict(collection.state_dict())
+    assert restored.calculate() == {"loss": 1.0}
