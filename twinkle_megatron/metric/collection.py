@@ -49,8 +49,13 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
                 flat, max_offset = reduced_maxes[max_offset:max_offset + size], max_offset + size
                 flat = flat if spec.reduce == "max" else -flat
             values[name] = float(flat[0]) if spec.shape == () else flat.reshape(spec.shape)
-        results.update(metric.compute(values))
+        computed = metric.compute(values)
         metric.reset()
+        clashes = sorted(set(computed) & set(results))
+        if clashes:
+            raise ValueError(f"{type(metric).__name__} reports {clashes}, which an earlier metric of the "
+                             "collection reports too; one of them would silently overwrite the other")
+        results.update(computed)
     return results
 
 

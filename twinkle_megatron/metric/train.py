@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence
+
+import torch
 
 from .base import Metric, Number, StateValues
 
@@ -21,19 +23,21 @@ class TrainMetric(Metric):
         ``total time elapse`` = seconds since construction (max over ranks),
         ``speed`` = iterations per second since the previous ``calculate()``.
 
-    The learning rate is read on the host (it is a Python number in every
-    optimizer); timings and step join the collection's one sync as ``max``
-    states, so ranks that did not accumulate still report the same values.
+    Learning rates, step and timings join the collection's one sync as ``max``
+    states (up to ``max_param_groups`` learning rates), so ranks that did not
+    accumulate still report the same values.
     """
 
-    def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, max_param_groups: int = 16,
+                 **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
-        self.lr: Optional[Union[float, list[float]]] = None
-        self.step: Optional[int] = None
+        self.max_param_groups = max_param_groups
+        self.step: Any = None
         self.gradient_accumulation_steps = 1
         self.start_time = time.time()
         self.interval_start_time = self.start_time
         self.interval_start_step = 0
+        self.add_state("learning_rates", "max", shape=(max_param_groups,))  # -inf: no such group
         self.add_state("iters", "max")
         self.add_state("interval_iters", "max")
         self.add_state("elapsed_seconds", "max")
@@ -42,9 +46,16 @@ class TrainMetric(Metric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         outputs = outputs or {}
         lr = outputs.get("lr")
-        # Kept as given and converted at calculate(): a tensor here must not cost a host sync.
         if lr is not None:
-            self.lr = list(lr) if isinstance(lr, Sequence) else lr
+            rates = list(lr) if isinstance(lr, Sequence) else [lr]
+            if len(rates) > self.max_param_groups:
+                raise ValueError(f"outputs['lr'] has {len(rates)} parameter groups; raise "
+                                 f"TrainMetric(max_param_groups=...) above {self.max_param_groups}")
+            # Device tensors are stacked, not read: no host sync.
+            rates = [torch.as_tensor(rate, dtype=torch.float64).reshape(()) for rate in rates]
+            padding = [torch.tensor(float("-inf"), dtype=torch.float64)] * (self.max_param_groups - len(rates))
+            self._assign("learning_rates", torch.stack([r.to(rates[0].device) for r in rates + padding]))
+        # Step counters are kept as given and read at calculate(): a tensor must not sync here.
         if outputs.get("step") is not None:
             self.step = outputs["step"]
         self.gradient_accumulation_steps = outputs.get("gradient_accumulation_steps", 1) or 1
@@ -64,11 +75,12 @@ class TrainMetric(Metric):
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results: dict[str, Number] = {}
-        if isinstance(self.lr, list) and len(self.lr) > 1:
-            for index, lr in enumerate(self.lr):
-                results[f"learning rate(param group {index + 1})"] = float(lr)
-        elif self.lr is not None:
-            results["learning rate"] = float(self.lr[0] if isinstance(self.lr, list) else self.lr)
+        rates = [float(rate) for rate in states["learning_rates"] if rate != float("-inf")]
+        if len(rates) == 1:
+            results["learning rate"] = rates[0]
+        else:
+            for index, rate in enumerate(rates):
+                results[f"learning rate(param group {index + 1})"] = rate
         if states["iters"] != float("-inf"):
             results["iters"] = int(states["iters"])
             results["total time elapse"] = states["elapsed_seconds"]
@@ -83,15 +95,12 @@ class TrainMetric(Metric):
             self.interval_start_step = int(self.step)
 
     def state_dict(self) -> dict[str, Any]:
-        lr = [float(x) for x in self.lr] if isinstance(self.lr, list) else self.lr
-        return {**super().state_dict(), "lr": None if lr is None else lr if isinstance(lr, list) else float(lr),
-                "step": None if self.step is None else int(self.step),
+        return {**super().state_dict(), "step": None if self.step is None else int(self.step),
                 "gradient_accumulation_steps": int(self.gradient_accumulation_steps),
                 "elapsed_seconds": time.time() - self.start_time, "interval_start_step": self.interval_start_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.lr = state_dict["lr"]
         self.step = state_dict["step"]
         self.gradient_accumulation_steps = state_dict["gradient_accumulation_steps"]
         # Elapsed time continues from the saved run; the speed interval starts now.

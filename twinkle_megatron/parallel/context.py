@@ -113,7 +113,7 @@ class ParallelContext:
         if not _dist_ready():
             return cls.single()
         if all(g is None for g in (tp_group, cp_group, dp_group, pp_group)):
-            dp_group = reduce_group
+            dp_group = reduce_group if reduce_group is not None else dist.group.WORLD
         pp_size, pp_rank = _size_rank(pp_group)
         tp_size, tp_rank = _size_rank(tp_group)
         cp_size, cp_rank = _size_rank(cp_group)

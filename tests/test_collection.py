@@ -1,0 +1,155 @@
+"""MetricCollection: one sync for many metrics, no host sync in accumulate, no hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import Layout, run_distributed
+from instrumentation import HostSyncError, count_collectives, forbid_host_sync
+
+from twinkle_megatron import LossMetric, Metric, MetricCollection, TrainMetric
+from twinkle_megatron.metric.inputs import microbatches, token_mask
+
+
+class LabelRange(Metric):
+    """A user-written metric: token count (sum), largest and smallest label (max, min)."""
+
+    def __init__(self, device_mesh=None, process_group=None, prefix="", **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.prefix = prefix
+        self.add_state("tokens", "sum")
+        self.add_state("largest", "max")
+        self.add_state("smallest", "min")
+        self.add_state("histogram", "sum", shape=(4,))
+
+    def accumulate(self, inputs, outputs=None, **kwargs):
+        for batch, _ in microbatches(inputs, outputs, ()):
+            labels = batch["labels"]
+            mask = token_mask(labels)
+            self._add("tokens", mask.sum())
+            self._maximum("largest", torch.where(mask, labels, torch.iinfo(labels.dtype).min).max())
+            self._minimum("smallest", torch.where(mask, labels, torch.iinfo(labels.dtype).max).min())
+            self._add("histogram", torch.bincount(labels[mask] % 4, minlength=4))
+
+    def compute(self, states):
+        if states["tokens"] == 0:
+            return {}
+        results = {"tokens": int(states["tokens"]), "largest": states["largest"], "smallest": states["smallest"],
+                   "histogram": [int(x) for x in states["histogram"]]}
+        return {self.prefix + key: value for key, value in results.items()}
+
+
+def make_collection() -> MetricCollection:
+    return MetricCollection({
+        "loss": LossMetric(loss_reduction="sum"),
+        "train": TrainMetric(),
+        "labels": LabelRange(),
+        "labels_b": LabelRange(prefix="b/"),
+        "labels_c": LabelRange(prefix="c/"),
+    })
+
+
+def local_batch(rank: int) -> tuple[list, dict]:
+    labels = torch.arange(12).reshape(2, 6) + 100 * rank
+    labels[:, 0] = -100
+    inputs = [{"labels": labels[:1]}, {"labels": labels[1:]}]
+    outputs = {"loss": [torch.tensor(5.0), torch.tensor(5.0)], "lr": 1e-4, "step": 4, "grad_norm": 0.5}
+    return inputs, outputs
+
+
+def _collection_sync(skip_earlier_stages: bool) -> tuple[dict, dict]:
+    from megatron.core import parallel_state as ps
+
+    collection = make_collection()
+    if ps.is_pipeline_last_stage(ignore_virtual=True) or not skip_earlier_stages:
+        inputs, outputs = local_batch(ps.get_data_parallel_rank())
+        with forbid_host_sync(allow_cpu=False):
+            collection.accumulate(inputs, outputs)
+    with count_collectives() as counts:
+        results = collection.calculate()
+    return results, dict(counts)
+
+
+@pytest.mark.parametrize("skip_earlier_stages", [True, False])
+def test_collection_of_five_metrics_costs_two_collectives(skip_earlier_stages):
+    results = run_distributed(_collection_sync, layout=Layout(tp=2, pp=2, dp=2), args=(skip_earlier_stages,))
+    for result, counts in results:
+        assert counts == {"all_reduce": 2}, counts
+        assert {k: v for k, v in result.items() if k not in ("total time elapse", "speed")} == {
+            k: v for k, v in results[0][0].items() if k not in ("total time elapse", "speed")}
+    result = results[0][0]
+    # Two DP ranks, each 10 tokens in two microbatches with loss sum 5 each: loss = 20 / 20.
+    assert result["loss"] == 1.0 and result["grad_norm"] == 0.5
+    assert result["tokens"] == 20 and result["largest"] == 111 and result["smallest"] == 1
+    assert result["histogram"] == [4, 6, 4, 6]  # labels 1..5, 7..11 (mod 4) on both DP ranks
+    assert result["iters"] == 4 and result["learning rate"] == 1e-4
+    # Timings are max over ranks, so even they agree exactly.
+    assert all(r[0] == results[0][0] for r in results)
+
+
+def test_accumulate_never_syncs_with_the_host():
+    collection = make_collection()
+    inputs, outputs = local_batch(0)
+    with forbid_host_sync(allow_cpu=False):
+        collection.accumulate(inputs, outputs)
+        with pytest.raises(HostSyncError):
+            torch.ones(()).item()  # the guard itself works
+    assert collection.calculate()["tokens"] == 10
+
+
+def _nobody_accumulates() -> tuple[dict, dict]:
+    collection = make_collection()
+    with count_collectives() as counts:
+        results = collection.calculate()
+    return results, dict(counts)
+
+
+def test_no_data_anywhere_gives_empty_results_without_hanging():
+    results = run_distributed(_nobody_accumulates, layout=Layout(pp=2, dp=2), timeout=30)
+    assert all(r == ({}, {"all_reduce": 2}) for r in results)
+
+
+def test_single_process_issues_no_collective_and_metrics_reset():
+    collection = make_collection()
+    inputs, outputs = local_batch(0)
+    collection.accumulate(inputs, outputs)
+    with count_collectives() as counts:
+        first = collection.calculate()
+    assert not counts and first["tokens"] == 10
+    second = collection.calculate()
+    assert "tokens" not in second and "loss" not in second
+
+
+def _mismatched_groups():
+    group = dist.new_group([0, 1])
+    collection = MetricCollection([LossMetric(), LossMetric(process_group=group)])
+    collection.calculate()
+
+
+def test_metrics_with_different_reduction_groups_are_refused():
+    with pytest.raises(AssertionError, match="reduces over a different process group"):
+        run_distributed(_mismatched_groups, 2)
+
+
+def test_two_metrics_reporting_the_same_key_are_refused():
+    collection = MetricCollection([LossMetric(), LossMetric()])
+    collection.accumulate({}, {"loss": 1.0})
+    with pytest.raises(ValueError, match=r"reports \['loss'\], which an earlier metric"):
+        collection.calculate()
+
+
+def test_state_spec_validation():
+    metric = LabelRange()
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        metric.add_state("bad", "mean")
+
+
+def test_whole_batch_outputs_concatenate_microbatch_inputs():
+    inputs = [{"labels": torch.ones(1, 3, dtype=torch.long)}, {"labels": torch.ones(2, 3, dtype=torch.long)}]
+    pairs = microbatches(inputs, {"logits": torch.zeros(3, 3, 5)}, ("logits",))
+    assert len(pairs) == 1 and pairs[0][0]["labels"].shape == (3, 3)
+    with pytest.raises(ValueError, match="mix per-microbatch lists"):
+        microbatches(inputs, {"logits": torch.zeros(3, 3, 5), "loss": [1.0, 2.0]}, ("logits", "loss"))
+    with pytest.raises(ValueError, match="differ beyond the batch dimension"):
+        microbatches([{"labels": torch.ones(1, 3)}, {"labels": torch.ones(1, 4)}], {"loss": 1.0}, ("loss",))

@@ -1,0 +1,121 @@
+"""ParallelContext: resolved from megatron, device meshes, explicit groups, or nothing."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from distributed import Layout, run_distributed
+
+from twinkle_megatron import LossMetric, ParallelContext
+
+
+def _from_megatron() -> tuple:
+    from megatron.core import parallel_state as ps
+
+    context = ParallelContext.resolve()
+    assert context == ParallelContext.from_megatron()
+    assert (context.tp_size, context.pp_size, context.cp_size, context.dp_size) == (
+        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size())
+    return (context.tp_rank, context.pp_rank, context.cp_rank, context.dp_rank, context.is_last_stage,
+            context.holds_data(), context.holds_data(cp_gathered=True), context.reduce_size)
+
+
+def test_from_megatron_tp_pp_cp():
+    results = run_distributed(_from_megatron, layout=Layout(tp=2, pp=2, cp=2))
+    # megatron's default order is tp-cp-ep-dp-pp: rank = tp + 2·cp + 4·pp.
+    for rank, (tp, pp, cp, dp, last, holds, holds_gathered, reduce_size) in enumerate(results):
+        assert (tp, cp, pp, dp) == (rank % 2, rank // 2 % 2, rank // 4, 0)
+        assert last == (pp == 1) and reduce_size == 8
+        assert holds == (last and tp == 0)
+        assert holds_gathered == (last and tp == 0 and cp == 0)
+
+
+def test_from_megatron_with_virtual_stages():
+    results = run_distributed(_from_megatron, layout=Layout(pp=2, dp=2, vpp=2))
+    assert [r[4] for r in results] == [False, False, True, True]
+
+
+def _from_torch_mesh() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    context = ParallelContext.resolve(device_mesh=mesh)
+    # Each TP pair passes the same per-token loss; DP ranks pass different ones.
+    metric = LossMetric(device_mesh=mesh, loss_reduction="sum")
+    metric.accumulate({}, {"loss": torch.tensor(10.0 * (context.dp_rank + 1)), "num_tokens": 5})
+    return {"tp": (context.tp_size, context.tp_rank), "dp": (context.dp_size, context.dp_rank),
+            "result": metric.calculate()}
+
+
+def test_from_torch_device_mesh_counts_tp_duplicates_once():
+    results = run_distributed(_from_torch_mesh, 4)
+    assert [r["tp"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    assert [r["dp"] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert all(r["result"] == {"loss": 30.0 / 10} for r in results)
+
+
+class TwinkleStyleMesh:
+    """What Twinkle's DeviceMesh exposes (duck-typed; Twinkle is not a dependency): dp × pp × tp."""
+
+    def __init__(self, dp: int, pp: int, tp: int):
+        import numpy as np
+
+        self.mesh = np.arange(dp * pp * tp).reshape(dp, pp, tp)
+        self.mesh_dim_names = ("dp", "pp", "tp")
+        self.dp_world_size, self.pp_world_size, self.tp_world_size, self.cp_world_size = dp, pp, tp, 1
+        coords = np.argwhere(self.mesh == dist.get_rank())[0]
+        self.dp_rank, self.pp_rank, self.tp_rank = (int(c) for c in coords)
+        self._groups = {}
+        for name, axis in (("dp", 0), ("tp", 2)):
+            for other in np.moveaxis(self.mesh, axis, -1).reshape(-1, self.mesh.shape[axis]):
+                group = dist.new_group(sorted(int(r) for r in other))  # collective over the world
+                if dist.get_rank() in other:
+                    self._groups[name] = group
+
+    def is_pp_last_rank(self) -> bool:
+        return self.pp_rank == self.pp_world_size - 1
+
+    def get_dim_group(self, dims):
+        return self._groups[dims if isinstance(dims, str) else dims[0]]
+
+
+def _from_twinkle_mesh() -> tuple:
+    mesh = TwinkleStyleMesh(dp=2, pp=2, tp=2)
+    metric = LossMetric(device_mesh=mesh, loss_reduction="sum")
+    # Twinkle broadcasts the loss to every stage: only the last stage's TP rank 0 may count it.
+    metric.accumulate({}, {"loss": torch.tensor(4.0 * (mesh.dp_rank + 1)), "num_tokens": 2})
+    context = metric.context
+    return (context.tp_rank, context.dp_rank, context.is_last_stage, metric.calculate(),
+            metric.gather_results([context.dp_rank]))
+
+
+def test_from_twinkle_style_mesh():
+    results = run_distributed(_from_twinkle_mesh, 8)
+    for rank, (tp, dp, last, result, gathered) in enumerate(results):
+        assert (tp, dp, last) == (rank % 2, rank // 4, rank // 2 % 2 == 1)
+        assert result == {"loss": 12.0 / 4}
+        assert gathered == [0, 1]
+
+
+def _from_process_group_and_world() -> tuple:
+    group = dist.new_group([0, 1])
+    other = dist.new_group([2, 3])
+    mine = group if dist.get_rank() < 2 else other
+    metric = LossMetric(process_group=mine)
+    metric.accumulate({}, {"loss": float(dist.get_rank())})
+    world = LossMetric()
+    world.accumulate({}, {"loss": float(dist.get_rank())})
+    return metric.calculate(), world.calculate(), world.context.dp_size
+
+
+def test_process_group_alone_is_data_parallel_and_world_is_the_default():
+    results = run_distributed(_from_process_group_and_world, 4)
+    assert [r[0]["loss"] for r in results] == [0.5, 0.5, 2.5, 2.5]
+    assert all(r[1] == {"loss": 1.5} and r[2] == 4 for r in results)
+
+
+def test_single_process():
+    context = ParallelContext.resolve()
+    assert context == ParallelContext.single() and not context.distributed and context.holds_data()
+    assert ParallelContext.resolve(device_mesh=context) is context

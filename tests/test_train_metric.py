@@ -1,0 +1,58 @@
+"""TrainMetric: Twinkle's keys with numbers, the same on every rank, resumable."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import Layout, run_distributed
+
+from twinkle_megatron import TrainMetric
+
+
+def test_keys_and_numbers():
+    metric = TrainMetric()
+    metric.accumulate(None, {"lr": 3e-4, "step": 8, "gradient_accumulation_steps": 4})
+    time.sleep(0.05)
+    result = metric.calculate()
+    assert set(result) == {"learning rate", "iters", "total time elapse", "speed"}
+    assert result["learning rate"] == 3e-4 and result["iters"] == 2
+    assert result["total time elapse"] >= 0.05
+    assert 0 < result["speed"] <= 2 / 0.05
+    metric.accumulate(None, {"lr": [1e-3, 2e-4], "step": 16, "gradient_accumulation_steps": 4})
+    result = metric.calculate()
+    assert result["learning rate(param group 1)"] == 1e-3 and result["learning rate(param group 2)"] == 2e-4
+    assert result["iters"] == 4
+
+
+def test_too_many_param_groups():
+    with pytest.raises(ValueError, match="max_param_groups"):
+        TrainMetric(max_param_groups=2).accumulate(None, {"lr": [1.0, 2.0, 3.0]})
+
+
+def test_resume_continues_elapsed_time_and_steps():
+    metric = TrainMetric()
+    metric.accumulate(None, {"lr": 1e-3, "step": 10})
+    metric.start_time -= 100  # as if the run had been going for 100 s
+    state = metric.state_dict()
+    resumed = TrainMetric()
+    resumed.load_state_dict(state)
+    resumed.accumulate(None, {"step": 12})
+    result = resumed.calculate()
+    assert result["iters"] == 12 and result["total time elapse"] >= 100
+    assert result["learning rate"] == 1e-3
+
+
+def _only_last_stage_accumulates() -> dict:
+    from megatron.core import parallel_state as ps
+
+    metric = TrainMetric()
+    if ps.is_pipeline_last_stage():
+        metric.accumulate(None, {"lr": 2e-5, "step": 3})
+    return metric.calculate()
+
+
+def test_every_rank_reports_the_same_values():
+    results = run_distributed(_only_last_stage_accumulates, layout=Layout(pp=2, dp=2))
+    assert all(r == results[0] for r in results)
+    assert results[0]["learning rate"] == 2e-5 and results[0]["iters"] == 3
