@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -73,10 +74,13 @@ def _worker(rank: int, world_size: int, store_path: str, layout: Optional[Layout
         dist.barrier()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         status, payload = "error", traceback.format_exc()
+    # Plain pickle, not multiprocessing's: that one passes tensors as shared file
+    # descriptors, which die with this process before the parent reads them.
     try:
-        conn.send((status, payload))
+        message = pickle.dumps((status, payload))
     except Exception:  # noqa: BLE001 - an unpicklable result is a test error too
-        conn.send(("error", traceback.format_exc()))
+        message = pickle.dumps(("error", traceback.format_exc()))
+    conn.send_bytes(message)
     conn.close()
     # Skip atexit handlers and pytest's teardown inherited through fork.
     os._exit(0)
@@ -118,7 +122,7 @@ def run_distributed(fn: Callable[..., Any], world_size: Optional[int] = None, *,
                 if conn not in ready:
                     continue
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     status, payload = "error", f"rank {rank} died without a result (exit code " \
                                                f"{procs[rank].exitcode})"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
 from ..parallel import ParallelContext, all_reduce_sum_and_max
 from .base import Metric, Number
+from .token_stats import sharing_token_stats
 
 
 def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
@@ -38,6 +39,7 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
         torch.cat(maxes) if maxes else None,
     )
     results: dict[str, Number] = {}
+    error: Optional[Exception] = None
     sum_offset = max_offset = 0
     for metric in metrics:
         values: dict[str, Union[float, torch.Tensor]] = {}
@@ -49,13 +51,20 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
                 flat, max_offset = reduced_maxes[max_offset:max_offset + size], max_offset + size
                 flat = flat if spec.reduce == "max" else -flat
             values[name] = float(flat[0]) if spec.shape == () else flat.reshape(spec.shape)
-        computed = metric.compute(values)
+        try:
+            computed = metric.compute(values)
+        except ValueError as exc:  # e.g. invalid labels: raised on every rank, after every metric reset
+            error = error or exc
+            computed = {}
         metric.reset()
         clashes = sorted(set(computed) & set(results))
         if clashes:
-            raise ValueError(f"{type(metric).__name__} reports {clashes}, which an earlier metric of the "
-                             "collection reports too; one of them would silently overwrite the other")
+            error = error or ValueError(
+                f"{type(metric).__name__} reports {clashes}, which an earlier metric of the collection reports "
+                "too; one of them would silently overwrite the other")
         results.update(computed)
+    if error is not None:
+        raise error
     return results
 
 
@@ -92,8 +101,10 @@ class MetricCollection:
         self.metrics.append(metric)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        for metric in self.metrics:
-            metric.accumulate(inputs, outputs, **kwargs)
+        """Feed every metric; metrics reading the same logits share one vocab-parallel pass."""
+        with sharing_token_stats():
+            for metric in self.metrics:
+                metric.accumulate(inputs, outputs, **kwargs)
 
     def calculate(self) -> dict[str, Number]:
         return calculate_metrics(self.metrics)

@@ -1,0 +1,202 @@
+"""Accuracy: layout invariance against full-vocabulary torch, shared statistics, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batches import megatron_rank_shard, split_microbatches
+from distributed import Layout, run_distributed
+from instrumentation import count_collectives, forbid_host_sync
+
+from twinkle_megatron import Accuracy, Metric, MetricCollection
+from twinkle_megatron.metric.inputs import microbatches, token_mask
+from twinkle_megatron.metric.token_stats import logits_token_stats
+
+BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 12, 50, 56  # Megatron pads the vocabulary to a multiple of TP
+
+
+def global_batch(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(BATCH, SEQ, PADDED_VOCAB, generator=generator) * 3
+    logits[..., VOCAB:] = 100.0  # padding columns would win every argmax if they were read
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    hits = torch.rand(BATCH, SEQ, generator=generator) < 0.5
+    labels = torch.where(hits, logits[..., :VOCAB].argmax(-1), labels)
+    # Ties across the TP shard boundary at column 27/28 (TP=2 shards 28 columns): lowest index wins.
+    logits[0, :4, 20] = logits[0, :4, 40] = 50.0
+    labels[0, :2] = 20
+    labels[0, 2:4] = 40
+    labels[torch.rand(BATCH, SEQ, generator=generator) < 0.2] = -100
+    completion_mask = torch.rand(BATCH, SEQ, generator=generator) < 0.8
+    return {"logits": logits, "labels": labels, "completion_mask": completion_mask}
+
+
+def reference() -> dict:
+    batch = global_batch()
+    predictions = batch["logits"][..., :VOCAB].argmax(-1)
+    mask = (batch["labels"] != -100) & batch["completion_mask"]
+    correct = int(((predictions == batch["labels"]) & mask).sum())
+    total = int(mask.sum())
+    return {"accuracy": correct / total, "correct_tokens": correct, "total_tokens": total}
+
+
+def vocab_shard(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    width = logits.shape[-1] // tp
+    return logits[..., rank * width:(rank + 1) * width]
+
+
+def _accuracy_on_rank(num_microbatches: int, as_list: bool, megatron_layout: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
+    batch = {k: megatron_rank_shard(v) for k, v in global_batch().items()}
+    metric = Accuracy(vocab_size=VOCAB)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        logits = vocab_shard(batch["logits"])
+        inputs = [{"labels": labels, "completion_mask": mask} for labels, mask in
+                  zip(split_microbatches(batch["labels"], num_microbatches),
+                      split_microbatches(batch["completion_mask"], num_microbatches))]
+        if as_list:
+            logits = split_microbatches(logits, num_microbatches)
+            if megatron_layout:
+                logits = [mb.transpose(0, 1).contiguous() for mb in logits]
+        elif megatron_layout:
+            logits = logits.transpose(0, 1).contiguous()
+        with forbid_host_sync(allow_cpu=False):
+            metric.accumulate(inputs, {"logits": logits})
+    return metric.calculate()
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(tp=2, pp=2), Layout(tp=2, pp=2, dp=2),
+                                    Layout(tp=2, cp=2), Layout(tp=4), Layout()], ids=str)
+def test_accuracy_matches_full_vocabulary_reference(layout):
+    expected = reference()
+    for num_microbatches, as_list, megatron_layout in [(1, True, False), (2, True, True), (2, False, False),
+                                                       (4, True, False), (4, False, True)]:
+        results = run_distributed(_accuracy_on_rank, layout=layout,
+                                  args=(num_microbatches, as_list, megatron_layout))
+        assert all(r == results[0] for r in results), results
+        assert results[0]["correct_tokens"] == expected["correct_tokens"]
+        assert results[0]["total_tokens"] == expected["total_tokens"]
+        assert results[0]["accuracy"] == pytest.approx(expected["accuracy"], rel=1e-12)
+
+
+def test_ties_go_to_the_lowest_index_like_torch_argmax():
+    logits = torch.zeros(1, 2, 6)
+    logits[0, :, 1] = logits[0, :, 4] = 3.0
+    metric = Accuracy()
+    metric.accumulate({"labels": torch.tensor([[1, 4]])}, {"logits": logits})
+    assert metric.calculate() == {"accuracy": 0.5, "correct_tokens": 1, "total_tokens": 2}
+
+
+class MeanEntropy(Metric):
+    """A second reader of the same logits (as GRPO's entropy will be)."""
+
+    def __init__(self, device_mesh=None, process_group=None, **kwargs):
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.add_state("entropy_sum", "sum")
+        self.add_state("tokens", "sum")
+
+    def accumulate(self, inputs, outputs, **kwargs):
+        for batch, output in microbatches(inputs, outputs, ("logits",)):
+            stats = logits_token_stats(output["logits"], batch["labels"], self.context, VOCAB)
+            mask = token_mask(batch["labels"])
+            self._add("entropy_sum", torch.where(mask, stats.entropy, 0.0).sum())
+            self._add("tokens", mask.sum())
+
+    def compute(self, states):
+        return {"entropy": states["entropy_sum"] / states["tokens"]} if states["tokens"] else {}
+
+
+def _shared_pass() -> tuple[dict, dict]:
+    batch = global_batch()
+    collection = MetricCollection([Accuracy(vocab_size=VOCAB), MeanEntropy()])
+    inputs = [{"labels": labels} for labels in split_microbatches(batch["labels"], 2)]
+    with count_collectives() as counts:
+        collection.accumulate(inputs, {"logits": split_microbatches(vocab_shard(batch["logits"]), 2)})
+    return dict(counts), collection.calculate()
+
+
+def test_metrics_reading_the_same_logits_share_one_pass():
+    results = run_distributed(_shared_pass, layout=Layout(tp=2))
+    batch = global_batch()
+    full = batch["logits"][..., :VOCAB].double()
+    mask = batch["labels"] != -100
+    entropy = -(full.softmax(-1) * full.log_softmax(-1)).sum(-1)
+    for counts, result in results:
+        assert counts == {"all_reduce": 4}, "two microbatches × two TP collectives, whatever the number of readers"
+        assert result["entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
+
+
+def _invalid_label_on_one_rank(strict: bool) -> dict:
+    import torch.distributed as dist
+
+    logits = torch.randn(2, 3, 8)
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    if dist.get_rank() == 1:
+        labels[1, 2] = 9  # out of range
+    metric = Accuracy(strict=strict)
+    metric.accumulate({"labels": labels}, {"logits": logits})
+    try:
+        return metric.calculate()
+    except ValueError as error:
+        return {"error": str(error)}
+
+
+def test_invalid_labels_raise_on_every_rank():
+    results = run_distributed(_invalid_label_on_one_rank, 2, args=(True,))
+    assert all("1 label(s) outside [0, vocab_size)" in r["error"] for r in results)
+    results = run_distributed(_invalid_label_on_one_rank, 2, args=(False,))
+    assert all(r["invalid_labels"] == 1 and r["total_tokens"] == 11 for r in results)
+
+
+def test_nonfinite_logits_are_counted_not_scored():
+    logits = torch.randn(1, 4, 5)
+    labels = logits.argmax(-1)
+    logits[0, 1, 3] = float("nan")
+    logits[0, 2, 0] = float("inf")
+    metric = Accuracy()
+    metric.accumulate({"labels": labels}, {"logits": logits})
+    assert metric.calculate() == {"accuracy": 1.0, "correct_tokens": 2, "total_tokens": 2, "nonfinite_tokens": 2}
+
+
+def test_fully_masked_and_empty_microbatches():
+    metric = Accuracy()
+    metric.accumulate([{"labels": torch.full((2, 3), -100)}, {"labels": torch.zeros(0, 3, dtype=torch.long)}],
+                      {"logits": [torch.randn(2, 3, 7), torch.randn(0, 3, 7)]})
+    assert metric.calculate() == {}
+    metric.accumulate({"labels": torch.zeros(2, 3, dtype=torch.long)}, {"logits": torch.randn(2, 3, 7)})
+    assert metric.calculate()["total_tokens"] == 6
+
+
+def test_packed_sequences():
+    logits = torch.randn(10, 1, 9)  # Megatron's THD: [t, 1, v] with labels [1, t]
+    labels = logits[:, 0].argmax(-1).view(1, 10)
+    metric = Accuracy()
+    metric.accumulate({"labels": labels}, {"logits": logits})
+    assert metric.calculate()["accuracy"] == 1.0
+    metric.accumulate({"labels": labels.view(10)}, {"logits": logits.view(10, 9)})
+    assert metric.calculate()["total_tokens"] == 10
+
+
+def test_square_batches_follow_the_layout_keyword():
+    logits = torch.randn(3, 3, 5)
+    labels = logits.argmax(-1)
+    bsv, sbv = Accuracy(), Accuracy(logits_layout="sbv")
+    bsv.accumulate({"labels": labels}, {"logits": logits})
+    sbv.accumulate({"labels": labels.t()}, {"logits": logits})
+    assert bsv.calculate()["accuracy"] == sbv.calculate()["accuracy"] == 1.0
+
+
+def test_shape_mismatch_names_both_shapes():
+    metric = Accuracy()
+    with pytest.raises(ValueError, match=r"labels has shape \(2, 5\) but logits has shape \(2, 4, 7\)"):
+        metric.accumulate({"labels": torch.zeros(2, 5, dtype=torch.long)}, {"logits": torch.randn(2, 4, 7)})
+    with pytest.raises(ValueError, match=r"labels has shape \(2, 4\) but completion_mask has shape \(2, 3\)"):
+        metric.accumulate({"labels": torch.zeros(2, 4, dtype=torch.long), "completion_mask": torch.ones(2, 3)},
+                          {"logits": torch.randn(2, 4, 7)})
+    with pytest.raises(ValueError, match="logits_layout must be one of"):
+        metric.accumulate({"labels": torch.zeros(2, 4, dtype=torch.long)}, {"logits": torch.randn(2, 4, 7)},
+                          logits_layout="bs")
