@@ -153,3 +153,41 @@ def test_whole_batch_outputs_concatenate_microbatch_inputs():
         microbatches(inputs, {"logits": torch.zeros(3, 3, 5), "loss": [1.0, 2.0]}, ("logits", "loss"))
     with pytest.raises(ValueError, match="differ beyond the batch dimension"):
         microbatches([{"labels": torch.ones(1, 3)}, {"labels": torch.ones(1, 4)}], {"loss": 1.0}, ("loss",))
+
+
+class RankRecords(Metric):
+    """Reports objects rather than numbers: costs one extra collective, only when enabled."""
+
+    def __init__(self, enabled, **kwargs):
+        super().__init__(**kwargs)
+        self.enabled = enabled
+        self.add_state("calls", "sum")
+
+    def accumulate(self, inputs, outputs, **kwargs):
+        self._add("calls", 1)
+
+    def _local_records(self):
+        return [("rank", dist.get_rank())] if self.enabled else None
+
+    def compute(self, states):
+        return {"records": list(self.gathered_records)} if self.enabled else {"calls": int(states["calls"])}
+
+
+def _records(enabled: bool) -> tuple[dict, dict]:
+    from megatron.core import parallel_state as ps
+
+    collection = MetricCollection([LossMetric(), RankRecords(enabled)])
+    if ps.is_pipeline_last_stage():
+        collection.accumulate({}, {"loss": 1.0})
+    with count_collectives() as counts:
+        results = collection.calculate()
+    return results, dict(counts)
+
+
+def test_object_records_cost_one_collective_only_when_enabled():
+    results = run_distributed(_records, layout=Layout(tp=2, pp=2), args=(True,))
+    for result, counts in results:
+        assert counts == {"all_reduce": 1, "all_gather_object": 1}  # no max/min states here
+        assert result["records"] == [("rank", 2)], "only the last stage's TP rank 0 counts"
+    results = run_distributed(_records, layout=Layout(tp=2, pp=2), args=(False,))
+    assert all(counts == {"all_reduce": 1} and result["calls"] == 1 for result, counts in results)

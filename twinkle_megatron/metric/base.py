@@ -60,6 +60,7 @@ class Metric:
         self._context: Optional[ParallelContext] = None
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
+        self.gathered_records: list = []
 
     # ---------------------------------------------------------------- states
 
@@ -140,11 +141,21 @@ class Metric:
             name: torch.full(spec.shape, spec.identity, dtype=torch.float64, device=device)
             for name, spec in self._specs.items()
         }
+        self.gathered_records = []
 
     # --------------------------------------------------------- sync support
 
     def _before_sync(self) -> None:
         """Hook for host-side values that must join the sync (timers); called in calculate()."""
+
+    def _local_records(self) -> Optional[list]:
+        """Picklable records to gather from every rank, or None (the default: numbers only).
+
+        A metric that returns a list here costs the collection one extra
+        collective; the records of all ranks whose data counts are in
+        ``self.gathered_records`` when :meth:`compute` runs.
+        """
+        return None
 
     def _local_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""

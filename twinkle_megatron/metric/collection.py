@@ -6,7 +6,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from ..parallel import ParallelContext, all_reduce_sum_and_max
+from ..parallel import ParallelContext, all_gather_records, all_reduce_sum_and_max
 from .base import Metric, Number
 from .token_stats import sharing_token_stats
 
@@ -38,6 +38,7 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
         torch.cat(sums) if sums else None,
         torch.cat(maxes) if maxes else None,
     )
+    _gather_records(context, metrics)
     results: dict[str, Number] = {}
     error: Optional[Exception] = None
     sum_offset = max_offset = 0
@@ -66,6 +67,18 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
     if error is not None:
         raise error
     return results
+
+
+def _gather_records(context: ParallelContext, metrics: list[Metric]) -> None:
+    """One all-gather of object records for all metrics that report some (none when none do)."""
+    local = [metric._local_records() for metric in metrics]
+    if all(records is None for records in local):
+        return
+    local = [records if records is not None and metric.context.holds_data(metric.cp_gathered) else []
+             for metric, records in zip(metrics, local)]
+    per_rank = all_gather_records(context, local)
+    for index, metric in enumerate(metrics):
+        metric.gathered_records = [record for rank_records in per_rank for record in rank_records[index]]
 
 
 def _shared_context(metrics: list[Metric]) -> ParallelContext:

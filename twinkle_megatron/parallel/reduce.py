@@ -35,3 +35,16 @@ def all_reduce_sum_and_max(context: ParallelContext, sums: Optional[torch.Tensor
             dist.all_reduce(buffer, op=op, group=context.reduce_group)
         results.append(buffer.cpu())
     return results[0], results[1]
+
+
+def all_gather_records(context: ParallelContext, records: list) -> list[list]:
+    """All-gather one picklable list per rank over ``context.reduce_group`` (one collective).
+
+    For the few metrics that report records rather than numbers (GRPO's top-K
+    tokens) and only when they are enabled: pickling is slow, states are not.
+    """
+    if not context.distributed or context.reduce_size == 1:
+        return [records]
+    gathered: list = [None] * context.reduce_size
+    dist.all_gather_object(gathered, records, group=context.reduce_group)
+    return gathered
