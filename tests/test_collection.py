@@ -133,8 +133,8 @@ def test_metrics_with_different_reduction_groups_are_refused():
 
 
 def test_two_metrics_reporting_the_same_key_are_refused():
-    collection = MetricCollection([LossMetric(), LossMetric()])
-    collection.accumulate({}, {"loss": 1.0})
+    collection = MetricCollection([LossMetric(), LossMetric(loss_reduction="sum")])
+    collection.accumulate({}, {"loss": 1.0, "num_tokens": 2})  # mean 1.0 against per-token 0.5
     with pytest.raises(ValueError, match=r"reports \['loss'\], which an earlier metric"):
         collection.calculate()
 

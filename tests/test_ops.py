@@ -113,12 +113,17 @@ def make_inputs(case: Case, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     x[9, vocab // 2] = 3.0
     # 10: the maximum on the last real column (next to the padding)
     x[10, vocab - 1] = top
+    # 15: a tie won by a later shard (shard 1, or shard 0 for TP = 1) over the shards after it
+    first = v_local if vocab > v_local + 9 else 0
+    for col in (first + 9, first + 7, *(shard * v_local for shard in range(2, tp))):
+        if col < vocab:
+            x[15, col] = top
     # labels: ignored (also on a NaN token), below 0, on the first padding column / past V, far out
     labels[11] = IGNORE
     labels[12] = -5
     labels[13] = vocab
     labels[14] = v_global + 7
-    labels[4] = IGNORE if tp == 2 else labels[4]
+    labels[4] = IGNORE if tp == 2 else labels[4]  # TP=2: ignore_index wins over a NaN logit
     labels[9] = vocab // 2
     labels[7] = vocab - 1
     return x.to(case.dtype), labels
@@ -313,6 +318,7 @@ def test_special_tokens_are_what_they_claim() -> None:
         ref = reference(full, labels, vocab)
         assert ref.argmax[0] == 3 and ref.argmax[2] == ((vocab - 1) // case.v_local) * case.v_local + 2
         assert ref.argmax[10] == vocab - 1 and ref.argmax[3] == 0
+        assert ref.argmax[15] == (case.v_local if tp > 1 else 0) + 7
         assert torch.isnan(ref.entropy[[4, 5, 6]]).all()
         assert torch.isfinite(ref.entropy[[0, 1, 2, 3, 7, 8, 9]]).all()
         assert torch.isnan(ref.logprobs[[5, 6, 12, 13, 14]]).all() and ref.logprobs[11] == 0
@@ -433,6 +439,16 @@ def test_nonfinite_token_is_isolated() -> None:
     assert st.argmax[1].item() == 7 and st.logprobs[3].item() == 0.0
     ref = reference(x, labels, 299)
     assert_close("entropy", st.entropy, ref.entropy)
+
+
+def test_one_dimensional_logits() -> None:
+    """A single token without leading dims: scalar results."""
+    x = torch.tensor([0.5, 2.0, -1.0, 2.0])
+    st = vocab_parallel_token_stats(x, torch.tensor(2), chunk_size=3)
+    ref = reference(x, torch.tensor(2), 4)
+    assert st.argmax.shape == () and st.argmax.item() == 1
+    assert_close("entropy", st.entropy, ref.entropy)
+    assert_close("logprobs", st.logprobs, ref.logprobs)
 
 
 def test_empty_returns_empty() -> None:

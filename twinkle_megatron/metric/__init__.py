@@ -3,7 +3,10 @@
 from .accuracy import Accuracy
 from .base import Metric, StateSpec
 from .collection import MetricCollection, calculate_metrics
+from .logits_metric import LogitsMetric
 from .loss import LossMetric
+from .token_stats_metric import TokenStatsMetric
 from .train import TrainMetric
 
-__all__ = ["Metric", "StateSpec", "MetricCollection", "calculate_metrics", "Accuracy", "LossMetric", "TrainMetric"]
+__all__ = ["Metric", "StateSpec", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",
+           "LossMetric", "TokenStatsMetric", "TrainMetric"]

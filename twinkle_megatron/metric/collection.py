@@ -54,11 +54,13 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
             values[name] = float(flat[0]) if spec.shape == () else flat.reshape(spec.shape)
         try:
             computed = metric.compute(values)
-        except ValueError as exc:  # e.g. invalid labels: raised on every rank, after every metric reset
+        except Exception as exc:  # e.g. invalid labels: raised on every rank, after every metric reset
             error = error or exc
             computed = {}
         metric.reset()
-        clashes = sorted(set(computed) & set(results))
+        # Two metrics may report the same count (nonfinite_tokens of Accuracy and TokenStatsMetric);
+        # a key reported twice with different values would silently lose one of them.
+        clashes = sorted(key for key in set(computed) & set(results) if not _same(computed[key], results[key]))
         if clashes:
             error = error or ValueError(
                 f"{type(metric).__name__} reports {clashes}, which an earlier metric of the collection reports "
@@ -91,6 +93,10 @@ def _shared_context(metrics: list[Metric]) -> ParallelContext:
             raise ValueError(f"{type(metric).__name__} reduces over a different process group than "
                              f"{type(metrics[0]).__name__}; metrics synced together must share one layout")
     return first
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -28,7 +28,7 @@ def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequen
             raise ValueError(f"inputs[{index}] is a {type(batch).__name__}; expected a mapping (InputFeature)")
     outputs = outputs or {}
     present = {key: outputs[key] for key in keys if key in outputs and outputs[key] is not None}
-    listed = {k: v for k, v in present.items() if isinstance(v, (list, tuple))}
+    listed = {k: v for k, v in present.items() if _per_microbatch(v)}
     whole = {k: v for k, v in present.items() if k not in listed}
     for key, value in listed.items():
         if len(value) != len(batches):
@@ -43,6 +43,11 @@ def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequen
         (batch, {**whole, **{key: value[index] for key, value in listed.items()}})
         for index, batch in enumerate(batches)
     ]
+
+
+def _per_microbatch(value: Any) -> bool:
+    # A named tuple (TokenStats) is one value, not a list of microbatches.
+    return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
 
 
 def concatenate_batches(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

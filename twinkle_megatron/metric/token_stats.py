@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -81,3 +81,36 @@ def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: Para
         # Holding the logits' id is safe: the caller's outputs keep them alive for the whole block.
         cache[key] = stats
     return stats
+
+
+def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], context: ParallelContext,
+                           vocab_size: Optional[int] = None, layout: Optional[str] = None,
+                           ignore_index: int = -100) -> TokenStats:
+    """The token statistics of one microbatch: ``output['token_stats']`` when a hook already
+    computed them (shaped like the labels), else computed from ``output['logits']``."""
+    labels = batch.get("labels")
+    if labels is None:
+        raise ValueError("token statistics need inputs['labels']")
+    stats = output.get("token_stats")
+    if stats is not None:
+        if tuple(stats.argmax.shape) != tuple(labels.shape):
+            raise ValueError(f"labels has shape {tuple(labels.shape)} but token_stats has shape "
+                             f"{tuple(stats.argmax.shape)}")
+        return stats
+    return logits_token_stats(output["logits"], labels, context, vocab_size, layout, ignore_index)
+
+
+class TokenClasses(NamedTuple):
+    """Which masked tokens count, and why the others do not (boolean, shaped like the labels)."""
+
+    counted: torch.Tensor  # finite logits and a label inside the vocabulary
+    nonfinite: torch.Tensor  # a NaN or infinite logit
+    invalid_label: torch.Tensor  # finite logits, label outside [0, vocab_size)
+
+
+def classify_tokens(stats: TokenStats, mask: torch.Tensor) -> TokenClasses:
+    """Split the tokens of ``mask`` by what the statistics say about them (device ops only)."""
+    mask = mask.to(stats.entropy.device)
+    finite = torch.isfinite(stats.entropy)
+    valid_label = ~torch.isnan(stats.logprobs)
+    return TokenClasses(mask & finite & valid_label, mask & ~finite, mask & finite & ~valid_label)

@@ -65,7 +65,9 @@ Edge cases:
   NaN (else a ``+inf``), the same on every rank.
 * ``float64`` logits are summed in float64 but compared across ranks at float32
   resolution (the key carries a float32 maximum): values closer than a float32
-  ulp in different shards tie and go to the lower column.
+  ulp in different shards tie and go to the lower column, and a maximum beyond
+  the float32 range counts as non-finite. The sums stay exact: the rescaling
+  uses each shard's own float64 maximum.
 
 The logits are read, never written. Nothing here synchronises with the host.
 """
@@ -218,6 +220,11 @@ def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Op
 def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch.dtype,
                 chunk_size: Optional[int], need_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One read of ``rows [T, n]``: per-token local max and its first column; fills ``stats[0:2]``.
+
+    Per chunk of ``chunk_size`` tokens (``x`` upcast to fp32 first for bf16/fp16):
+    block maxima and the row maximum ``m`` (``amax``), ``d = x - m``,
+    ``e = exp(d)``, ``d *= e``, and one sum over ``[e, d]`` for ``(S0, S1)``; the
+    two ``[chunk, n]`` buffers are reused by every chunk.
 
     The argmax is found in two levels because ``torch.max(dim)`` with indices is
     about five times slower than the vectorised ``amax`` on CPU: the chunk loop

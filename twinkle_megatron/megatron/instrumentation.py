@@ -1,0 +1,300 @@
+"""Attach metrics to a Megatron model and ``forward_step``, without changing either.
+
+In ``GPTModel.forward(..., labels=...)`` the logits exist only between
+``output_layer`` and the loss, and a fused cross-entropy may overwrite them
+there. So, per microbatch, on the last pipeline stage:
+
+1. a forward pre-hook on the GPT model captures ``labels`` (and ``loss_mask``
+   when the model is given one);
+2. a forward hook on ``output_layer`` computes the vocab-parallel token
+   statistics (argmax, label log-prob, entropy: two TP collectives) from this
+   rank's logits shard *before* the loss reads them, and keeps only those
+   per-token results, never the logits (with multi-token prediction the MTP
+   heads call ``output_layer`` first; only the main head's call is read);
+3. the wrapped ``forward_step`` wraps the returned ``loss_func``; when the
+   schedule calls it, the loss report (``(loss, num_tokens, {'lm loss': [sum,
+   count]})`` or the older ``(loss, {'lm loss': value})``) and the loss mask (a
+   tensor argument of the ``loss_func`` partial shaped like the labels) join the
+   statistics, and everything is accumulated into the metrics on the device.
+
+``calculate()`` after the schedule is collective: every rank calls it and gets
+the step's results. A failure inside a hook does not escape mid-schedule (that
+would leave the other pipeline stages waiting in a p2p call forever): it is
+recorded, and ``calculate()`` raises it on every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import traceback
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..metric import Accuracy, LossMetric, Metric, MetricCollection, TokenStatsMetric
+from ..metric.base import Number, StateValues
+from ..metric.token_stats import logits_token_stats
+
+
+class MetricHookError(RuntimeError):
+    """A metric hook failed during the step on some rank; raised by ``calculate()`` on every rank."""
+
+
+class _HookFailures(Metric):
+    """Counts hook failures on every rank, so that every rank learns of them in the one sync."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("failures", "sum")
+        self.messages: list[str] = []
+
+    def record(self, where: str, error: BaseException) -> None:
+        self.messages.append(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+        self._add("failures", 1.0)
+
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        pass
+
+    def _local_states(self) -> dict:
+        return self._states  # a failure on any rank counts, whatever its stage
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
+        failures, messages = int(states["failures"]), self.messages
+        self.messages = []
+        if failures:
+            here = messages[0] if messages else "none on this rank; see the log of the failing rank"
+            raise MetricHookError(f"twinkle-megatron: {failures} metric hook failure(s) during the step; the "
+                                  f"step's metrics are incomplete. First failure on this rank: {here}")
+        return {}
+
+
+def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100) -> list[Metric]:
+    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss."""
+    return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index),
+            TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index),
+            LossMetric(loss_reduction="sum")]
+
+
+class MegatronInstrumentation:
+    """Metrics attached to a Megatron model; see :func:`instrument`."""
+
+    def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+                 metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
+                 vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss") -> None:
+        if metrics is None:
+            metrics = default_metrics(vocab_size, ignore_index)
+        self.metrics = metrics if isinstance(metrics, MetricCollection) else MetricCollection(list(metrics))
+        self.vocab_size = vocab_size
+        self.ignore_index = ignore_index
+        self.loss_key = loss_key
+        self._failures = _HookFailures()
+        self._pending: collections.deque = collections.deque()
+        self._handles: list = []
+        self._calls_in_forward = 0
+        self._current: dict = {}
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        for gpt in _language_models(chunks):
+            self._handles.append(gpt.register_forward_pre_hook(self._before_model, with_kwargs=True))
+            self._handles.append(gpt.output_layer.register_forward_hook(
+                functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
+
+    # ------------------------------------------------------------------ hooks
+
+    def _before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            self._current = {"labels": bound.get("labels"), "loss_mask": bound.get("loss_mask")}
+            self._calls_in_forward = 0
+        except Exception as error:  # noqa: BLE001 - see the module docstring
+            self._failures.record("model pre-hook", error)
+
+    def _after_output_layer(self, mtp_heads: int, module: torch.nn.Module, args: tuple, kwargs: dict,
+                            output: Any) -> None:
+        call, self._calls_in_forward = self._calls_in_forward, self._calls_in_forward + 1
+        labels = self._current.get("labels")
+        if call != mtp_heads or labels is None:
+            return  # an MTP head, or no labels: the user computes the loss outside the model
+        try:
+            logits = output[0] if isinstance(output, tuple) else output
+            gathered = kwargs.get("runtime_gather_output")
+            gathered = getattr(module, "gather_output", False) if gathered is None else gathered
+            context = self.metrics.metrics[0].context if self.metrics.metrics else self._failures.context
+            stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
+                                       self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
+            self._pending.append({"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats})
+        except Exception as error:  # noqa: BLE001
+            self._failures.record("output_layer hook", error)
+
+    # ----------------------------------------------------------- forward_step
+
+    def wrap(self, forward_step_func: Callable) -> Callable:
+        """The user's ``forward_step`` with its ``loss_func`` wrapped; the signature is kept."""
+
+        @functools.wraps(forward_step_func)
+        def forward_step(*args: Any, **kwargs: Any):
+            output_tensor, loss_func = forward_step_func(*args, **kwargs)
+            if loss_func is None:
+                return output_tensor, loss_func
+            return output_tensor, self._wrap_loss_func(loss_func)
+
+        return forward_step
+
+    def _wrap_loss_func(self, loss_func: Callable) -> Callable:
+        @functools.wraps(loss_func)
+        def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
+            result = loss_func(output_tensor, *args, **kwargs)
+            if kwargs.get("non_loss_data"):
+                return result
+            try:
+                captured = self._pending.popleft() if self._pending else None
+                loss_mask = _loss_mask_of(loss_func, captured)
+                self._accumulate(captured, loss_mask, result)
+            except Exception as error:  # noqa: BLE001
+                self._failures.record("loss_func hook", error)
+            return result
+
+        return wrapped
+
+    def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any) -> None:
+        loss, num_tokens = _loss_and_tokens(result, self.loss_key)
+        inputs: dict[str, Any] = {}
+        outputs: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens}
+        if captured is not None:
+            inputs["labels"] = captured["labels"]
+            if loss_mask is not None:
+                inputs["completion_mask"] = loss_mask.reshape(captured["labels"].shape)
+            outputs["token_stats"] = captured["stats"]
+        self.metrics.accumulate(inputs, outputs)
+
+    # --------------------------------------------------------- explicit calls
+
+    def record_microbatch(self, *, logits: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                          loss_mask: Optional[torch.Tensor] = None, loss: Any = None, num_tokens: Any = None,
+                          logits_layout: Optional[str] = None) -> None:
+        """For custom ``forward_step``\\ s: feed one microbatch by hand (last pipeline stage only).
+
+        ``logits`` is this rank's vocab shard (``[b, s, V/tp]`` or ``[s, b, V/tp]``),
+        read before any in-place loss; ``loss`` is the microbatch's loss *sum*
+        over ``num_tokens`` tokens (Megatron-LM's per-token convention).
+        """
+        inputs: dict[str, Any] = {}
+        outputs: dict[str, Any] = {}
+        if logits is not None and labels is not None:
+            stats = logits_token_stats(logits.detach(), labels, self.metrics.metrics[0].context, self.vocab_size,
+                                       logits_layout, self.ignore_index)
+            inputs = {"labels": labels} if loss_mask is None else {"labels": labels, "completion_mask": loss_mask}
+            outputs["token_stats"] = stats
+        if loss is not None:
+            outputs.update(loss=loss, num_tokens=num_tokens)
+        self.metrics.accumulate(inputs, outputs)
+
+    # ------------------------------------------------------------ results etc.
+
+    def calculate(self) -> dict[str, Number]:
+        """The step's metrics, the same on every rank (collective: every rank calls it)."""
+        self._pending.clear()
+        from ..metric.collection import calculate_metrics
+
+        return calculate_metrics([*self.metrics.metrics, self._failures])
+
+    def detach(self) -> None:
+        """Remove every hook of ours from the model."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+    def __enter__(self) -> MegatronInstrumentation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+
+def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+               metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
+               vocab_size: Optional[int] = None, ignore_index: int = -100,
+               loss_key: str = "lm loss") -> MegatronInstrumentation:
+    """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
+
+    ``model`` is a model or the list of model chunks (virtual pipeline stages)
+    given to the schedule, wrapped or not in Megatron's DDP / Float16Module.
+    Then pass ``instrumentation.wrap(forward_step)`` to the schedule and call
+    ``instrumentation.calculate()`` on every rank after it::
+
+        with instrument(model, vocab_size=tokenizer.vocab_size) as metrics:
+            losses = forward_backward_func(forward_step_func=metrics.wrap(forward_step), ...)
+            results = metrics.calculate()   # {'accuracy': ..., 'loss': ..., 'entropy': ..., ...}
+
+    ``vocab_size`` is the true vocabulary size (Megatron pads it); the model must be
+    called with ``labels=`` (the hook reads them); the loss mask is read from the
+    ``loss_func`` partial (or from ``loss_mask=`` given to the model).
+    """
+    return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
+                                   loss_key=loss_key)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules with an ``output_layer`` (GPTModel on the last stage), through any wrappers."""
+    found = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(getattr(module, "output_layer", None), torch.nn.Module) and \
+                    getattr(module, "post_process", True):
+                found.append(module)
+    return found
+
+
+def _mtp_heads(gpt: torch.nn.Module) -> int:
+    config = getattr(gpt, "config", None)
+    return int(getattr(config, "mtp_num_layers", None) or 0)
+
+
+def _no_tp(context: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(context, tp_group=None, tp_size=1, tp_rank=context.tp_rank)
+
+
+def _loss_mask_of(loss_func: Callable, captured: Optional[dict]) -> Optional[torch.Tensor]:
+    """The loss mask: given to the model, or a tensor bound in the ``loss_func`` partial."""
+    if captured is None:
+        return None
+    if captured.get("loss_mask") is not None:
+        return captured["loss_mask"]
+    labels = captured["labels"]
+    bound = []
+    while isinstance(loss_func, functools.partial):
+        bound += [loss_func.keywords.get("loss_mask"), *loss_func.args, *loss_func.keywords.values()]
+        loss_func = loss_func.func
+    for value in bound:
+        if isinstance(value, torch.Tensor) and value.numel() == labels.numel() and value.numel() > 1:
+            return value
+    return None
+
+
+def _loss_and_tokens(result: Any, loss_key: str) -> tuple[Any, Any]:
+    """``(loss_sum, num_tokens)`` of a Megatron ``loss_func`` result.
+
+    Three values: Megatron-LM's per-token convention, ``reports[loss_key]`` is
+    ``[sum, count]``. Two values (older): ``reports[loss_key]`` is one averaged
+    value, weighted as one token so that values are averaged with equal weight.
+    """
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        raise ValueError(f"loss_func returned {type(result).__name__}; expected (loss, num_tokens, reports) "
+                         "or (loss, reports)")
+    reports = result[-1] if isinstance(result[-1], dict) else {}
+    report = reports.get(loss_key)
+    if len(result) == 3:
+        if report is not None and isinstance(report, torch.Tensor) and report.numel() == 2:
+            return report[0], report[1]
+        return result[0].detach(), result[1]
+    if isinstance(report, torch.Tensor) and report.numel() == 2:
+        return report[0], report[1]
+    value = report if report is not None else result[0]
+    return (value.detach() if isinstance(value, torch.Tensor) else value), 1

@@ -1,0 +1,61 @@
+"""The base of every metric that reads logits: shared statistics, masking and value checks."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from ..ops import TokenStats
+from .base import Metric, Number, StateValues
+from .inputs import microbatches, token_mask
+from .token_stats import TokenClasses, classify_tokens, microbatch_token_stats
+
+
+class LogitsMetric(Metric):
+    """Walks the microbatches of ``accumulate`` and yields each one's token statistics and classes.
+
+    ``outputs`` carry ``logits`` (this rank's vocab shard, ``[b, s, V/tp]`` or
+    ``[s, b, V/tp]``) or ``token_stats`` precomputed by a hook. Tokens count when
+    ``labels != ignore_index`` and ``completion_mask``; of those, tokens with a
+    non-finite logit are counted in ``nonfinite_tokens`` and labels outside
+    ``[0, vocab_size)`` in ``invalid_labels`` instead of being scored. With
+    ``strict=True`` (default) ``calculate()`` raises ``ValueError`` on every rank
+    when any rank saw an invalid label (the count is global, so all ranks agree).
+    """
+
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
+                 vocab_size: Optional[int] = None, logits_layout: Optional[str] = None, strict: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.ignore_index = ignore_index
+        self.vocab_size = vocab_size
+        self.logits_layout = logits_layout
+        self.strict = strict
+        self.add_state("nonfinite_tokens", "sum")
+        self.add_state("invalid_labels", "sum")
+
+    def _token_batches(self, inputs: Any, outputs: Any, vocab_size: Optional[int] = None,
+                       logits_layout: Optional[str] = None) -> Iterator[tuple[dict, TokenStats, TokenClasses]]:
+        """(microbatch inputs, statistics, classes) for each microbatch that has logits or statistics."""
+        if outputs is None or (outputs.get("logits") is None and outputs.get("token_stats") is None):
+            return
+        for batch, output in microbatches(inputs, outputs, ("logits", "token_stats")):
+            stats = microbatch_token_stats(batch, output, self.context, vocab_size or self.vocab_size,
+                                           logits_layout or self.logits_layout, self.ignore_index)
+            labels = batch["labels"]
+            classes = classify_tokens(stats, token_mask(labels, batch.get("completion_mask"), self.ignore_index))
+            self._add("nonfinite_tokens", classes.nonfinite.sum())
+            self._add("invalid_labels", classes.invalid_label.sum())
+            yield batch, stats, classes
+
+    def _token_problems(self, states: StateValues) -> dict[str, Number]:
+        """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""
+        invalid = int(states["invalid_labels"])
+        if invalid and self.strict:
+            raise ValueError(f"{type(self).__name__}: {invalid} label(s) outside [0, vocab_size) were seen across "
+                             "all ranks (pass vocab_size, or strict=False to report the count instead)")
+        problems: dict[str, Number] = {}
+        if states["nonfinite_tokens"]:
+            problems["nonfinite_tokens"] = int(states["nonfinite_tokens"])
+        if invalid:
+            problems["invalid_labels"] = invalid
+        return problems

@@ -1,0 +1,52 @@
+"""TokenStatsMetric: mean label log-probability and mean entropy of the model's predictions."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .base import Number, StateValues
+from .logits_metric import LogitsMetric
+
+
+class TokenStatsMetric(LogitsMetric):
+    """Mean log-probability of the labels and mean predictive entropy, from vocab-parallel logits.
+
+    Over the counted tokens t (see :class:`LogitsMetric`), sums over tokens,
+    microbatches and DP×CP ranks:
+
+        logprob = Σ_t log p(label_t) / Σ_t 1        (−logprob is the cross-entropy in nats)
+        entropy = Σ_t −Σ_v p_v log p_v / Σ_t 1
+
+    computed without gathering the vocabulary (two TP collectives per
+    microbatch, shared with :class:`Accuracy` inside a ``MetricCollection``).
+
+    Results: ``logprob``, ``entropy``, and ``nonfinite_tokens`` / ``invalid_labels``
+    when non-zero.
+    """
+
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.add_state("logprob_sum", "sum")
+        self.add_state("entropy_sum", "sum")
+        self.add_state("tokens", "sum")
+
+    def accumulate(self, inputs: Any, outputs: Any, vocab_size: Optional[int] = None,
+                   logits_layout: Optional[str] = None, **kwargs: Any) -> None:
+        for _, stats, classes in self._token_batches(inputs, outputs, vocab_size, logits_layout):
+            zero = torch.zeros((), dtype=stats.entropy.dtype, device=stats.entropy.device)
+            self._add("logprob_sum", torch.where(classes.counted, stats.logprobs, zero).sum(dtype=torch.float64))
+            self._add("entropy_sum", torch.where(classes.counted, stats.entropy, zero).sum(dtype=torch.float64))
+            self._add("tokens", classes.counted.sum())
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
+        problems = self._token_problems(states)
+        tokens = states["tokens"]
+        if tokens == 0 and not problems:
+            return {}
+        return {
+            "logprob": states["logprob_sum"] / tokens if tokens else float("nan"),
+            "entropy": states["entropy_sum"] / tokens if tokens else float("nan"),
+            **problems,
+        }

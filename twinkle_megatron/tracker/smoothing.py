@@ -1,0 +1,48 @@
+"""Exponential moving averages of logged values, and the loss-spike test against them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+
+class ExponentialMovingAverages:
+    """Named EMAs: ``ema ← α·value + (1 − α)·ema``, starting at the first value.
+
+    Updated once per log step with the logged (interval) values, so with
+    ``log_interval=1`` they smooth per step. Non-finite values are skipped:
+    one NaN would otherwise poison the average for good.
+    """
+
+    def __init__(self, alpha: float = 0.1) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"EMA alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.values: dict[str, float] = {}
+
+    def get(self, name: str) -> Optional[float]:
+        return self.values.get(name)
+
+    def update(self, name: str, value: float) -> Optional[float]:
+        """Fold ``value`` into the EMA called ``name``; returns the new EMA."""
+        if math.isfinite(value):
+            previous = self.values.get(name)
+            self.values[name] = value if previous is None else self.alpha * value + (1 - self.alpha) * previous
+        return self.values.get(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"alpha": self.alpha, "values": dict(self.values)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.values = dict(state_dict["values"])
+
+
+def is_loss_spike(loss: float, smoothed_loss: Optional[float], threshold: float) -> bool:
+    """``loss > (1 + threshold) · smoothed_loss`` (with the EMA *before* this loss is folded in).
+
+    No spike before there is an EMA, and none for a non-positive EMA (the
+    relative threshold means nothing there).
+    """
+    if smoothed_loss is None or smoothed_loss <= 0 or not math.isfinite(loss):
+        return False
+    return loss > (1.0 + threshold) * smoothed_loss
