@@ -65,7 +65,7 @@ from megatron.core.tensor_parallel import (
     VocabParallelEmbedding,
     model_parallel_cuda_manual_seed,
 )
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import TransformerConfig, transformer_block
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -146,12 +146,31 @@ def make_config(spec: GPTSpec, **overrides: Any) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """Test-only: a torch LayerNorm usable with sequence parallelism.
+
+    Megatron's local norm refuses ``sequence_parallel`` (its TE/Apex norms mark their
+    weights so that the partial gradients of each TP rank's sequence slice get summed);
+    this one marks them the same way (``param.sequence_parallel``).
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec(config: TransformerConfig):
-    """Megatron's local (non-TE) GPT layer spec; under CP>1 with the gathering CP attention."""
+    """Megatron's local (non-TE) GPT layer spec; under CP>1 with the gathering CP attention, under
+    sequence parallelism with ``SequenceParallelLayerNorm``."""
     spec = get_gpt_layer_local_spec()
-    if config.context_parallel_size > 1:
+    if config.context_parallel_size > 1 or config.sequence_parallel:
         spec = copy.deepcopy(spec)
+    if config.context_parallel_size > 1:
         spec.submodules.self_attention.submodules.core_attention = GatherContextParallelAttention
+    if config.sequence_parallel:
+        spec.submodules.input_layernorm = SequenceParallelLayerNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
     return spec
 
 
@@ -170,22 +189,33 @@ def build_gpt_model(spec: GPTSpec, *, config: Optional[TransformerConfig] = None
     model_parallel_cuda_manual_seed(spec.seed, **seed_kwargs)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec_fn(config),
-            vocab_size=spec.vocab_size,
-            max_sequence_length=spec.max_sequence_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
-            vp_stage=stage,
-        )
-        load_layout_independent_weights(model, spec)
-        chunks.append(model)
+    # The final norm comes from transformer_block.LayerNormImpl, not from the layer spec.
+    final_norm = transformer_block.LayerNormImpl
+    if config.sequence_parallel:
+        transformer_block.LayerNormImpl = SequenceParallelLayerNorm
+    try:
+        for vp_stage in range(vpp or 1):
+            chunks.append(_build_chunk(spec, config, layer_spec_fn, vp_stage if vpp else None))
+    finally:
+        transformer_block.LayerNormImpl = final_norm
     return chunks
+
+
+def _build_chunk(spec: GPTSpec, config: TransformerConfig, layer_spec_fn: Callable[[TransformerConfig], Any],
+                 stage: Optional[int]) -> GPTModel:
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec_fn(config),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_sequence_length,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+        vp_stage=stage,
+    )
+    load_layout_independent_weights(model, spec)
+    return model
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:

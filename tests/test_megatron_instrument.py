@@ -25,6 +25,7 @@ from megatron_gpt import (
     build_gpt_model,
     gpt_forward_step,
     make_batch,
+    make_config,
     reference_forward,
     run_forward_backward,
     sum_loss_reports,
@@ -53,6 +54,8 @@ def _sgd_step(chunks) -> None:
             for param in chunk.parameters():
                 if param.grad is None:
                     continue
+                if getattr(param, "sequence_parallel", False):  # each TP rank saw a slice of the sequence
+                    dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
                 if dist.get_world_size(group) > 1:
                     dist.all_reduce(param.grad, group=group)
                 param -= LR * param.grad
@@ -94,11 +97,12 @@ def reference() -> list[dict]:
     return run_distributed(_reference_worker, layout=Layout(), timeout=TIMEOUT)[0]
 
 
-def _train_with_instrument() -> list[tuple[dict, list]]:
+def _train_with_instrument(sequence_parallel: bool = False) -> list[tuple[dict, list]]:
     batch = _batch()
     steps = []
     with cpu_cuda_shim():
-        chunks = build_gpt_model(SPEC)
+        config = make_config(SPEC, sequence_parallel=True) if sequence_parallel else None
+        chunks = build_gpt_model(SPEC, config=config)
         with instrument(chunks, vocab_size=TRUE_VOCAB) as metrics:
             for _ in range(STEPS):
                 reports = run_forward_backward(chunks, batch, micro_batch_size=MICRO_BATCH,
@@ -109,13 +113,15 @@ def _train_with_instrument() -> list[tuple[dict, list]]:
     return steps
 
 
-LAYOUTS = [Layout(), Layout(tp=2, pp=2, dp=2), Layout(pp=2, dp=2, vpp=2), Layout(tp=2, cp=2)]
+LAYOUTS = [(Layout(), False), (Layout(tp=2, pp=2, dp=2), False), (Layout(pp=2, dp=2, vpp=2), False),
+           (Layout(tp=2, cp=2), False), (Layout(tp=2, pp=2), True)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_training_loop_reports_the_single_process_metrics(layout):
+@pytest.mark.parametrize("layout, sequence_parallel", LAYOUTS,
+                         ids=[f"{layout}{'_sp' if sp else ''}" for layout, sp in LAYOUTS])
+def test_training_loop_reports_the_single_process_metrics(layout, sequence_parallel):
     expected = reference()
-    per_rank = run_distributed(_train_with_instrument, layout=layout, timeout=TIMEOUT)
+    per_rank = run_distributed(_train_with_instrument, layout=layout, args=(sequence_parallel,), timeout=TIMEOUT)
     for step in range(STEPS):
         results = [steps[step][0] for steps in per_rank]
         assert all(r == results[0] for r in results), f"step {step}: ranks disagree"
