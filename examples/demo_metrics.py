@@ -90,6 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     world_size = args.tp * args.pp * args.dp
     import megatron.core.parallel_state  # noqa: F401  (imported once, before forking the ranks)
+
     import twinkle_megatron  # noqa: F401
 
     print(f"twinkle-megatron demo: {world_size} CPU ranks, TP{args.tp} × PP{args.pp} × DP{args.dp}, "

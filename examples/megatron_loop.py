@@ -26,7 +26,6 @@ On GPUs, one process per GPU, NCCL, no shim::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -192,8 +191,7 @@ def main() -> None:
             else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        with contextlib.nullcontext():
-            train(args, device)
+        train(args, device)
         dist.destroy_process_group()
         return
 
