@@ -67,31 +67,39 @@ class TwinkleStyleMesh:
         coords = np.argwhere(self.mesh == dist.get_rank())[0]
         self.dp_rank, self.pp_rank, self.tp_rank = (int(c) for c in coords)
         self._groups = {}
-        for name, axis in (("dp", 0), ("tp", 2)):
-            for other in np.moveaxis(self.mesh, axis, -1).reshape(-1, self.mesh.shape[axis]):
-                group = dist.new_group(sorted(int(r) for r in other))  # collective over the world
-                if dist.get_rank() in other:
-                    self._groups[name] = group
 
     def is_pp_last_rank(self) -> bool:
         return self.pp_rank == self.pp_world_size - 1
 
     def get_dim_group(self, dims):
-        return self._groups[dims if isinstance(dims, str) else dims[0]]
+        # Like Twinkle, groups are created on first request, collectively over the world: every
+        # rank must ask at the same point.
+        import numpy as np
+
+        name = dims if isinstance(dims, str) else dims[0]
+        if name not in self._groups:
+            axis = self.mesh_dim_names.index(name)
+            for other in np.moveaxis(self.mesh, axis, -1).reshape(-1, self.mesh.shape[axis]):
+                group = dist.new_group(sorted(int(r) for r in other))
+                if dist.get_rank() in other:
+                    self._groups[name] = group
+        return self._groups[name]
 
 
 def _from_twinkle_mesh() -> tuple:
     mesh = TwinkleStyleMesh(dp=2, pp=2, tp=2)
     metric = LossMetric(device_mesh=mesh, loss_reduction="sum")
-    # Twinkle broadcasts the loss to every stage: only the last stage's TP rank 0 may count it.
-    metric.accumulate({}, {"loss": torch.tensor(4.0 * (mesh.dp_rank + 1)), "num_tokens": 2})
+    # Only the last stage accumulates (the first use of the layout there must not create groups).
+    if mesh.is_pp_last_rank():
+        metric.accumulate({}, {"loss": torch.tensor(4.0 * (mesh.dp_rank + 1)), "num_tokens": 2})
+    dist.barrier()  # stands for the pipeline schedule's p2p: no rank may be stuck creating a group
     context = metric.context
     return (context.tp_rank, context.dp_rank, context.is_last_stage, metric.calculate(),
             metric.gather_results([context.dp_rank]))
 
 
 def test_from_twinkle_style_mesh():
-    results = run_distributed(_from_twinkle_mesh, 8)
+    results = run_distributed(_from_twinkle_mesh, 8, timeout=30)
     for rank, (tp, dp, last, result, gathered) in enumerate(results):
         assert (tp, dp, last) == (rank % 2, rank // 4, rank // 2 % 2 == 1)
         assert result == {"loss": 12.0 / 4}

@@ -58,6 +58,12 @@ class Metric:
         self.process_group = process_group
         self.cp_gathered = cp_gathered
         self._context: Optional[ParallelContext] = None
+        if dist.is_available() and dist.is_initialized():
+            # Resolve now, while every rank constructs its metrics together: reading a device
+            # mesh may create process groups, which every rank must create in the same order;
+            # lazily, the last pipeline stage would create them in its first accumulate, the
+            # other stages only at calculate(), after whatever groups were made in between.
+            self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
         self.gathered_records: list = []
@@ -112,7 +118,8 @@ class Metric:
 
     @property
     def context(self) -> ParallelContext:
-        """The parallel layout, resolved on first use (metrics may be built before init)."""
+        """The parallel layout: resolved at construction, or on first use when a metric is
+        built before ``torch.distributed`` is initialised."""
         if self._context is None:
             self._context = ParallelContext.resolve(self.device_mesh, self.process_group)
         return self._context
