@@ -2,8 +2,9 @@
 
 from .metric import Accuracy, LossMetric, Metric, MetricCollection, TokenStatsMetric, TrainMetric
 from .parallel import ParallelContext
+from .tracker import MetricsTracker
 
 __version__ = "0.1.0"
 
 __all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "ParallelContext",
-           "__version__"]
+           "MetricsTracker", "__version__"]

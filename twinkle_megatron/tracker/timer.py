@@ -7,16 +7,26 @@ host until the GPU caught up, which is exactly the per-step stall we avoid.
 On CPU, the wall clock.
 
 A step runs from ``start()`` to ``stop()``. Without ``start()``, a step starts
-where the previous one stopped (so data loading counts), and the first one
-where the timer was created.
+where the previous one stopped (so data loading counts). The very first one
+then starts when the timer was created; that moment has only a wall-clock
+time (recording an event at construction could create a CUDA context on the
+wrong device, before ``torch.cuda.set_device``), so that one step is timed by
+the host clock.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class _Mark:
+    host_seconds: float
+    event: Any = None  # a recorded torch.cuda.Event, or None
 
 
 class StepTimer:
@@ -26,16 +36,16 @@ class StepTimer:
         if use_cuda_events is None:
             use_cuda_events = torch.cuda.is_available()
         self.use_cuda_events = use_cuda_events
-        self._start: Any = None
-        self._last_stop: Any = self._mark()
-        self._finished: list[tuple[Any, Any]] = []
+        self._start: Optional[_Mark] = None
+        self._last_stop = _Mark(time.perf_counter())
+        self._finished: list[tuple[_Mark, _Mark]] = []
 
-    def _mark(self) -> Any:
-        if not self.use_cuda_events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+    def _mark(self) -> _Mark:
+        event = None
+        if self.use_cuda_events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return _Mark(time.perf_counter(), event)
 
     def start(self) -> None:
         self._start = self._mark()
@@ -49,13 +59,16 @@ class StepTimer:
     def collect(self) -> list[float]:
         """Durations of the steps stopped since the last collect, in seconds (one sync on GPU)."""
         finished, self._finished = self._finished, []
-        if not finished:
-            return []
-        if not self.use_cuda_events:
-            return [end - begin for begin, end in finished]
-        finished[-1][1].synchronize()  # events complete in order: the last one done means all are
-        return [begin.elapsed_time(end) / 1000.0 for begin, end in finished]
+        if finished and finished[-1][1].event is not None:
+            finished[-1][1].event.synchronize()  # events complete in order: the last one done means all are
+        return [_seconds(begin, end) for begin, end in finished]
 
-    def restart(self) -> None:
-        """Forget pending steps and start the next one now (after a pause such as evaluation or a resume)."""
-        self._finished, self._start, self._last_stop = [], None, self._mark()
+    def restart_clock(self) -> None:
+        """The next step starts now: time since the last step (an evaluation, a resume) is not counted."""
+        self._start, self._last_stop = None, self._mark()
+
+
+def _seconds(begin: _Mark, end: _Mark) -> float:
+    if begin.event is not None and end.event is not None:
+        return begin.event.elapsed_time(end.event) / 1000.0  # milliseconds on the GPU's timeline
+    return end.host_seconds - begin.host_seconds

@@ -1,0 +1,354 @@
+"""MetricsTracker: step time, real-token throughput, FLOPs and MFU, memory, smoothing, anomalies.
+
+Per step (``end_step``) the tracker only records device values into two
+internal metrics (no host sync, no collective). At a log step (step 1 and
+every ``log_interval`` steps) it reduces them together with the user's
+metrics in ONE ``calculate_metrics`` call (one SUM and one MAX all-reduce in
+total), builds the record (``record.py``), smooths it, and hands it to the
+logging backends on one rank. Every rank gets the same record back.
+
+Typical use with Megatron-LM::
+
+    tracker = MetricsTracker(log_interval=10, model_config=config, padded_vocab_size=args.padded_vocab_size,
+                             seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                             metrics=collection, log_dir=args.save)
+    for iteration in range(start, end):
+        with tracker.step(iteration + 1) as step:
+            losses_reduced = forward_backward_func(...)  # one {'lm loss': [sum, count]} per microbatch
+            update_successful, grad_norm, num_zeros = optimizer.step()
+            step.update(loss=losses_reduced, grad_norm=grad_norm, num_zeros=num_zeros,
+                        lr=optimizer.param_groups[0]["lr"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..logging import Backend, MetricsLogger, build_backend
+from ..metric.base import Metric
+from ..metric.collection import MetricCollection, calculate_metrics
+from ..parallel import ParallelContext
+from .flops import flops_coefficients, num_floating_point_operations
+from .memory import read_device_memory, reset_peak_memory
+from .peak import PRECISIONS, current_device_name, fp8_autocast_active, peak_tflops
+from .record import ThroughputSetup, interval_record
+from .smoothing import ExponentialMovingAverages, is_loss_spike
+from .step_states import RankStates, StepDataStates
+from .timer import StepTimer
+
+LossInput = Union[torch.Tensor, float, Mapping[str, Any], Sequence[Any]]
+SMOOTHED = ("loss", "tokens_per_second", "mfu", "step_time")
+
+
+class MetricsTracker:
+    """Training-step metrics for Megatron (or any) training loops, synced with the metric collection.
+
+    Args:
+        log_interval: log at step 1 and at every multiple of this.
+        metrics: a :class:`MetricCollection` or metrics whose results join each
+            log record, reduced in the same sync (their keys must not clash
+            with the tracker's).
+        model_config: a megatron-core ``TransformerConfig`` (or an object with its
+            field names) for Megatron-LM's FLOPs; with ``padded_vocab_size``, and
+            either ``seq_length`` and ``global_batch_size`` (FLOPs per step fixed,
+            as Megatron-LM computes them) or per-step ``seq_lengths`` (packed).
+        flops_per_step: global FLOPs of one step, instead of ``model_config``.
+        peak_tflops: dense peak TFLOP/s per GPU, overriding the device table.
+        precision: ``"bf16"``, ``"fp16"``, ``"fp8"`` or ``"auto"`` (FP8 when
+            ``model_config.fp8`` is set or Transformer Engine's FP8 autocast is
+            active at a step boundary, else BF16): which peak MFU is against.
+        device_name: the device to look the peak up for (default: the current
+            CUDA device; none on CPU, so no MFU there).
+        ema_alpha: smoothing factor of the EMAs (``loss_ema``, ``tokens_per_second_ema``,
+            ``mfu_ema``, ``step_time_ema``), folded in once per log step.
+        spike_threshold: ``loss_spike`` is 1 when loss > (1 + threshold) · loss_ema.
+        backends: names (``stdout``, ``jsonl``, ``tensorboard``, ``wandb``,
+            ``swanlab``, ``mlflow``) or :class:`Backend` objects; files go under ``log_dir``.
+        writer_rank: the global rank that writes (default 0).
+        device_mesh, process_group: the parallel layout, as for every metric
+            (default: megatron-core's parallel_state, else the world).
+        ignore_index: label value of padding when tokens are counted from ``labels``.
+        loss_key: the key of the main loss in Megatron-LM's loss dicts.
+    """
+
+    def __init__(self, log_interval: int = 10, *, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
+                 model_config: Any = None, padded_vocab_size: Optional[int] = None,
+                 seq_length: Optional[int] = None, global_batch_size: Optional[int] = None,
+                 flops_per_step: Optional[float] = None, peak_tflops: Optional[float] = None,
+                 precision: str = "auto", device_name: Optional[str] = None, ema_alpha: float = 0.1,
+                 spike_threshold: float = 0.5, backends: Iterable[Union[str, Backend]] = ("stdout", "jsonl"),
+                 log_dir: str = "logs", writer_rank: int = 0, device_mesh: Any = None, process_group: Any = None,
+                 ignore_index: int = -100, loss_key: str = "lm loss") -> None:
+        if log_interval < 1:
+            raise ValueError(f"log_interval must be at least 1, got {log_interval}")
+        if precision != "auto" and precision not in PRECISIONS:
+            raise ValueError(f"precision must be 'auto' or one of {PRECISIONS}, got {precision!r}")
+        if model_config is not None and padded_vocab_size is None:
+            raise ValueError("model_config needs padded_vocab_size to count the output layer's FLOPs")
+        self.log_interval = log_interval
+        self.user_metrics: list[Metric] = _metric_list(metrics)
+        self.device_mesh, self.process_group = device_mesh, process_group
+        self.ignore_index, self.loss_key = ignore_index, loss_key
+        self.spike_threshold = spike_threshold
+        self.model_config = model_config
+        self._coefficients = flops_coefficients(model_config, padded_vocab_size) if model_config is not None else None
+        if flops_per_step is None and model_config is not None and seq_length and global_batch_size:
+            flops_per_step = num_floating_point_operations(model_config, global_batch_size, seq_length,
+                                                           padded_vocab_size)
+        self.flops_per_step = flops_per_step
+        self.precision = precision
+        self._fp8_seen = bool(getattr(model_config, "fp8", None))
+        self._peak_override = peak_tflops
+        self.device_name = device_name if device_name is not None else current_device_name()
+        self.ema = ExponentialMovingAverages(ema_alpha)
+        self.logger = MetricsLogger([build_backend(b, log_dir) for b in backends], writer_rank=writer_rank)
+        self.timer = StepTimer()
+        self.last_step = 0
+        self.tokens_total = 0
+        self.last_record: dict[str, float] = {}
+        self._data: Optional[StepDataStates] = None
+        self._ranks: Optional[RankStates] = None
+        self._warned: set[str] = set()
+        if dist.is_available() and dist.is_initialized():
+            self._states()  # resolve the layout now, while every rank builds its tracker together
+
+    # ------------------------------------------------------------ per step
+
+    def start_step(self) -> None:
+        """Mark the start of a step (optional: without it a step starts where the previous one ended)."""
+        self._note_precision()
+        self.timer.start()
+
+    def end_step(self, step: Optional[int] = None, loss: Optional[LossInput] = None, grad_norm: Any = None,
+                 lr: Any = None, tokens: Any = None, loss_mask: Optional[torch.Tensor] = None,
+                 labels: Optional[torch.Tensor] = None, num_zeros: Any = None,
+                 seq_lengths: Union[torch.Tensor, Sequence[int], None] = None) -> Optional[dict[str, float]]:
+        """End a step; on a log step, sync and log, and return the record (the same on every rank).
+
+        Collective on log steps only: every rank must call it for every step.
+        Never syncs with the host on other steps: tensors stay on the device.
+
+        Args:
+            step: the step number (default: the previous one + 1).
+            loss: this rank's loss. A Megatron-LM loss report ``{'lm loss': [sum, count]}``,
+                a list of them (one per microbatch, as ``forward_backward_func``
+                returns them), a ``[sum, count]`` tensor, or a scalar mean (a tensor
+                or a number; means are averaged with equal weight over DP×CP).
+                Only the last pipeline stage's TP rank 0 counts; other ranks may
+                pass it or not.
+            grad_norm, lr, num_zeros: the step's gradient norm, learning rate (a
+                number or one per parameter group: the first is logged) and zeros in
+                the gradients; the latest values are logged, max over ranks.
+            tokens: this rank's real tokens; else counted from ``loss_mask``
+                (non-zero entries), else from ``labels`` (``!= ignore_index``), else
+                the counts of ``[sum, count]`` loss reports. Local tokens: summed
+                over DP×CP (under CP, each rank passes its chunk).
+            seq_lengths: lengths of the whole sequences packed into this rank's
+                batch (a tensor or a list), for FLOPs with ``model_config``.
+        """
+        self._note_precision()
+        self.timer.stop()
+        self.last_step = step = self.last_step + 1 if step is None else int(step)
+        data, ranks = self._states()
+        nonfinite_loss: Any = 0.0
+        loss_tokens = None
+        if loss is not None:
+            nonfinite_loss, loss_tokens = data.add_loss(self._loss_reports(loss))
+        local_tokens = _real_tokens(tokens, loss_mask, labels, self.ignore_index)
+        local_tokens = local_tokens if local_tokens is not None else loss_tokens
+        if local_tokens is not None:
+            data.add_tokens(local_tokens)
+        if seq_lengths is not None:
+            if self._coefficients is None:
+                self._warn_once("seq_lengths", "seq_lengths given without model_config: no FLOPs can be counted")
+            else:
+                data.add_sequence_lengths(seq_lengths)
+        if isinstance(lr, (list, tuple)):
+            lr = lr[0]
+        ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros)
+        if step == 1 or step % self.log_interval == 0:
+            return self._log(step)
+        return None
+
+    @contextlib.contextmanager
+    def step(self, step: Optional[int] = None) -> Iterator[dict[str, Any]]:
+        """``with tracker.step(n) as values: ...; values.update(loss=..., grad_norm=...)``.
+
+        Starts the step on entry and ends it on a normal exit with the keywords
+        put in ``values`` (those of :meth:`end_step`); the record of a log step
+        is then in :attr:`last_record`. An exception leaves the step unended.
+        """
+        self.start_step()
+        values: dict[str, Any] = {}
+        yield values
+        self.end_step(step, **values)
+
+    # ------------------------------------------------------------ logging
+
+    def _log(self, step: int) -> dict[str, float]:
+        context = self._context()
+        data, ranks = self._states()
+        ranks.set_interval(_rank_index(context), sum(self.timer.collect()), read_device_memory())
+        results = calculate_metrics([*self.user_metrics, data, ranks])  # the one sync
+        reset_peak_memory()
+        setup = ThroughputSetup(world_size=context.reduce_size, flops_per_step=self.flops_per_step,
+                                flops_coefficients=self._coefficients, peak_tflops=self._peak_tflops())
+        record = interval_record(data.reduced, ranks.reduced, setup)
+        if "slowest_rank" in record and context.distributed and context.reduce_group is not None:
+            record["slowest_rank"] = dist.get_global_rank(context.reduce_group, record["slowest_rank"])
+        self.tokens_total += record.get("tokens", 0)
+        if "tokens" in record:
+            record["tokens_total"] = self.tokens_total
+        clashes = sorted(key for key in set(results) & set(record) if not _same(results[key], record[key]))
+        if clashes:
+            raise ValueError(f"metrics passed to MetricsTracker report {clashes}, which the tracker reports too; "
+                             "give that value to the metric or to end_step, not to both")
+        record.update(results)
+        self._smooth(record)  # after the merge: a LossMetric's loss is smoothed like the tracker's own
+        self.last_record = record
+        self.logger.log(record, step)
+        return record
+
+    def _smooth(self, record: dict[str, float]) -> None:
+        """Add ``<name>_ema`` for the smoothed values, and ``loss_spike`` against the EMA before this loss."""
+        if "loss" in record:
+            record["loss_spike"] = int(is_loss_spike(record["loss"], self.ema.get("loss"), self.spike_threshold))
+        for name in SMOOTHED:
+            if name in record:
+                smoothed = self.ema.update(name, record[name])
+                if smoothed is not None:
+                    record[f"{name}_ema"] = smoothed
+
+    def log_eval(self, step: Optional[int] = None, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
+                 **values: Any) -> dict[str, float]:
+        """Log evaluation results as ``eval/<key>`` at ``step`` (default: the last training step).
+
+        ``metrics`` are calculated here (collective: every rank calls
+        ``log_eval``); ``values`` are numbers or tensors (read on the host: an
+        evaluation is not a hot path). Evaluation time is not counted in the
+        next training step.
+        """
+        step = self.last_step if step is None else int(step)
+        record: dict[str, Any] = {}
+        metric_list = _metric_list(metrics)
+        if metric_list:
+            record.update(calculate_metrics(metric_list))
+        for key, value in values.items():
+            record[key] = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        record = {f"eval/{key}": value for key, value in record.items()}
+        self.logger.log(record, step)
+        self.timer.restart_clock()
+        return record
+
+    def close(self) -> None:
+        """Flush and close the logging backends."""
+        self.logger.close()
+
+    # ------------------------------------------------------------ resuming
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step number, cumulative tokens and EMAs: host values, the same on every rank.
+
+        Steps after the last log step are not in ``tokens_total`` (their
+        counts are still on the devices): checkpoint at a log step to lose none.
+        """
+        return {"step": self.last_step, "tokens_total": self.tokens_total, "ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue a run: step numbering, totals and EMAs; backends drop what the old run logged after it.
+
+        Call it before the first step of the resumed run.
+        """
+        self.last_step = int(state_dict["step"])
+        self.tokens_total = int(state_dict["tokens_total"])
+        self.ema.load_state_dict(state_dict["ema"])
+        self.logger.resume(self.last_step)
+        self.timer.restart_clock()
+
+    # ------------------------------------------------------------ helpers
+
+    def _context(self) -> ParallelContext:
+        return self._states()[0].context
+
+    def _states(self) -> tuple[StepDataStates, RankStates]:
+        """The internal metrics: built with the tracker, or on first use if torch.distributed came later."""
+        if self._data is None:
+            self._data = StepDataStates(self.device_mesh, self.process_group)
+            world_size = self._data.context.reduce_size
+            self._ranks = RankStates(world_size, self.device_mesh, self.process_group)
+        return self._data, self._ranks
+
+    def _loss_reports(self, loss: LossInput) -> list[Any]:
+        """Megatron-LM's loss dict(s), or plain values, as a list of ``[sum, count]`` pairs or means."""
+        items = list(loss) if isinstance(loss, (list, tuple)) else [loss]
+        return [self._main_loss(item) if isinstance(item, Mapping) else item for item in items]
+
+    def _main_loss(self, report: Mapping[str, Any]) -> Any:
+        if self.loss_key in report:
+            key = self.loss_key
+        elif len(report) == 1:
+            key = next(iter(report))
+        else:
+            raise ValueError(f"the loss dict has keys {sorted(report)}, none of them loss_key={self.loss_key!r}")
+        if len(report) > 1:
+            self._warn_once("loss keys", f"only {key!r} of the loss dict keys {sorted(report)} is tracked; "
+                                         "track others with metrics=")
+        value = report[key]
+        if isinstance(value, (list, tuple)):  # [sum, count] as a list
+            return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in value])
+        return value
+
+    def _note_precision(self) -> None:
+        if self.precision == "auto" and not self._fp8_seen and fp8_autocast_active():
+            self._fp8_seen = True
+
+    def _peak_tflops(self) -> Optional[float]:
+        if self._peak_override is not None:
+            return self._peak_override
+        precision = self.precision if self.precision != "auto" else ("fp8" if self._fp8_seen else "bf16")
+        return peak_tflops(self.device_name, precision)
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _metric_list(metrics: Union[MetricCollection, Iterable[Metric], None]) -> list[Metric]:
+    if metrics is None:
+        return []
+    if isinstance(metrics, MetricCollection):
+        return list(metrics.metrics)
+    if isinstance(metrics, Metric):
+        return [metrics]
+    if isinstance(metrics, Mapping):
+        return list(metrics.values())
+    return list(metrics)
+
+
+def _real_tokens(tokens: Any, loss_mask: Optional[torch.Tensor], labels: Optional[torch.Tensor],
+                 ignore_index: int) -> Any:
+    """This rank's real tokens as a device tensor or number (never read on the host)."""
+    if tokens is not None:
+        return tokens
+    if loss_mask is not None:
+        return (loss_mask != 0).sum()
+    if labels is not None:
+        return (labels != ignore_index).sum()
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, or both NaN: the same value reported by a metric and by the tracker is no clash."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
+def _rank_index(context: ParallelContext) -> int:
+    if not context.distributed:
+        return 0
+    return dist.get_rank(context.reduce_group)
