@@ -45,7 +45,7 @@ def test_stdout_line(capsys):
     logger.log({"loss": 2.34567, "tokens_per_second": 12345.6, "mfu": 0.412, "step_time": 1.5, "accuracy": 0.5,
                 "nonfinite_loss_steps": 1, "loss_spike": 0}, 7)
     line = capsys.readouterr().out.strip()
-    assert line == ("step 7 | loss 2.3457 | tokens/s 12,346 | mfu 41.2% | step_time 1.500s | accuracy 0.5 | "
+    assert line == ("step 7 | loss 2.3457 | accuracy 0.5000 | tokens/s 12,346 | mfu 41.2% | step_time 1.500s | "
                     "NONFINITE_LOSS_STEPS 1")
 
 

@@ -250,3 +250,12 @@ def test_two_value_loss_func_averages_microbatch_means():
     for result, _ in results:
         assert result["loss"] == pytest.approx(sum(means) / len(means), rel=1e-6)
         assert result["total_tokens"] == reference()[0]["total_tokens"]
+
+
+def test_metrics_asking_for_different_vocabulary_sizes_are_refused():
+    from twinkle_megatron import Accuracy, TokenStatsMetric
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"different vocabulary sizes \[50, 60\]"):
+        instrument(model, [Accuracy(vocab_size=60), TokenStatsMetric(vocab_size=50)])
+    assert instrument(model, [Accuracy(vocab_size=60), TokenStatsMetric()]).vocab_size == 60

@@ -13,6 +13,9 @@ _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("loss_ema", "loss_ema", lambda v: f"{v:.4f}"),
     ("grad_norm", "grad_norm", lambda v: f"{v:.3f}"),
     ("learning_rate", "lr", lambda v: f"{v:.2e}"),
+    ("accuracy", "accuracy", lambda v: f"{v:.4f}"),
+    ("logprob", "logprob", lambda v: f"{v:.4f}"),
+    ("entropy", "entropy", lambda v: f"{v:.4f}"),
     ("tokens_per_second", "tokens/s", lambda v: f"{v:,.0f}"),
     ("tokens_per_second_per_gpu", "tokens/s/gpu", lambda v: f"{v:,.0f}"),
     ("tflops_per_gpu", "TFLOP/s/gpu", lambda v: f"{v:.1f}"),
@@ -25,7 +28,7 @@ _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 )
 # Shown above, or only of interest in charts.
 _SHOWN = {key for key, _, _ in _LINE} | {"tokens", "tokens_total", "steps", "tokens_per_second_ema", "mfu_ema",
-                                        "step_time_ema"}
+                                        "step_time_ema", "correct_tokens", "total_tokens"}
 _ALARMS = ("nonfinite_loss_steps", "nonfinite_grad_norm_steps", "loss_spike", "memory/ooms", "memory/alloc_retries")
 
 

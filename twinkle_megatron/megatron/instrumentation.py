@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ..metric import Accuracy, LossMetric, Metric, MetricCollection, TokenStatsMetric
+from ..metric import Accuracy, LogitsMetric, LossMetric, Metric, MetricCollection, TokenStatsMetric
 from ..metric.base import Number, StateValues
 from ..metric.token_stats import logits_token_stats
 
@@ -85,11 +85,13 @@ class MegatronInstrumentation:
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss") -> None:
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index)
-        self.metrics = metrics if isinstance(metrics, MetricCollection) else MetricCollection(list(metrics))
-        self.vocab_size = vocab_size
+        self._failures = _HookFailures()
+        # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
+        user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
+        self.metrics = MetricCollection([*user_metrics, self._failures])
+        self.vocab_size = _shared_vocab_size(vocab_size, user_metrics)
         self.ignore_index = ignore_index
         self.loss_key = loss_key
-        self._failures = _HookFailures()
         self._pending: collections.deque = collections.deque()
         self._handles: list = []
         self._calls_in_forward = 0
@@ -120,7 +122,7 @@ class MegatronInstrumentation:
             logits = output[0] if isinstance(output, tuple) else output
             gathered = kwargs.get("runtime_gather_output")
             gathered = getattr(module, "gather_output", False) if gathered is None else gathered
-            context = self.metrics.metrics[0].context if self.metrics.metrics else self._failures.context
+            context = self._failures.context
             stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
                                        self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
             self._pending.append({"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats})
@@ -182,7 +184,7 @@ class MegatronInstrumentation:
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {}
         if logits is not None and labels is not None:
-            stats = logits_token_stats(logits.detach(), labels, self.metrics.metrics[0].context, self.vocab_size,
+            stats = logits_token_stats(logits.detach(), labels, self._failures.context, self.vocab_size,
                                        logits_layout, self.ignore_index)
             inputs = {"labels": labels} if loss_mask is None else {"labels": labels, "completion_mask": loss_mask}
             outputs["token_stats"] = stats
@@ -195,9 +197,7 @@ class MegatronInstrumentation:
     def calculate(self) -> dict[str, Number]:
         """The step's metrics, the same on every rank (collective: every rank calls it)."""
         self._pending.clear()
-        from ..metric.collection import calculate_metrics
-
-        return calculate_metrics([*self.metrics.metrics, self._failures])
+        return self.metrics.calculate()
 
     def detach(self) -> None:
         """Remove every hook of ours from the model."""
@@ -248,6 +248,22 @@ def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]
                     getattr(module, "post_process", True):
                 found.append(module)
     return found
+
+
+def _shared_vocab_size(vocab_size: Optional[int], metrics: Sequence[Metric]) -> Optional[int]:
+    """The true vocabulary size the hook computes statistics for: one value for all metrics.
+
+    The hook computes the statistics once for every metric, so metrics asking
+    for different vocabulary sizes cannot all be served: that is an error, not
+    a silent choice.
+    """
+    sizes = {m.vocab_size for m in metrics if isinstance(m, LogitsMetric) and m.vocab_size is not None}
+    if vocab_size is not None:
+        sizes.add(vocab_size)
+    if len(sizes) > 1:
+        raise ValueError(f"instrument(): the metrics and vocab_size ask for different vocabulary sizes "
+                         f"{sorted(sizes)}; the statistics are computed once for all of them")
+    return sizes.pop() if sizes else None
 
 
 def _mtp_heads(gpt: torch.nn.Module) -> int:

@@ -1,31 +1,38 @@
-"""A Megatron-LM-style training loop with twinkle-megatron's metrics attached.
+"""Train a small megatron-core GPT with twinkle-megatron's metrics: the demo `make demo` runs.
 
 Everything here is ordinary megatron-core: ``parallel_state``, a ``GPTModel``
-per virtual pipeline stage, Megatron's DDP and optimizer, the pipeline
-schedule from ``get_forward_backward_func()``, and a ``forward_step`` /
-``loss_func`` pair written the way ``pretrain_gpt.py`` writes them. The plugin
-adds two lines: ``instrument(model)`` and ``metrics.wrap(forward_step)``; then
-``metrics.calculate()`` after each step gives token accuracy, label
-log-probability, entropy and the loss on every rank, computed from the
-vocab-parallel logits without gathering the vocabulary.
+per virtual pipeline stage, Megatron's DDP and optimizer, the pipeline schedule
+from ``get_forward_backward_func()``, and a ``forward_step`` / ``loss_func``
+pair written the way Megatron-LM's ``pretrain_gpt.py`` writes them. The plugin
+adds three things, marked ``# <- plugin``:
 
-The task is synthetic and learnable (each sequence counts up from a random
-start by a random stride of 1–3, modulo the vocabulary), so the loss falls and
-the accuracy rises within a few dozen steps.
+- ``instrument(model)`` and ``metrics.wrap(forward_step)``: token accuracy,
+  label log-probability and entropy from the vocab-parallel logits (never
+  gathered), per microbatch on the last stage, no host sync;
+- ``MetricsTracker``: loss (Megatron's ``[sum, count]`` reports), tokens/s,
+  step time across ranks (slowest rank), FLOPs/MFU and memory on GPUs, EMAs
+  and anomaly counts, all reduced with the metrics in one sync per log step,
+  written to stdout, ``RUN_DIR/metrics.jsonl`` and TensorBoard when installed.
 
-Run on CPU (8 forked gloo ranks; megatron-core's CUDA calls are redirected by
-the CUDA-to-CPU shim of the test suite)::
+The task is synthetic and learnable (each sequence counts up from a random start
+by a random stride of 1–3, modulo the vocabulary): the loss falls and the
+accuracy rises within a few dozen steps.
 
-    python examples/megatron_loop.py --tp 2 --pp 2 --dp 2 --steps 30
+CPU (forked gloo ranks; megatron-core's CUDA calls are redirected by the test
+suite's CUDA-to-CPU shim)::
 
-On GPUs, one process per GPU, NCCL, no shim::
+    python examples/train_gpt.py                       # TP2 × PP2 × DP2 on 8 ranks
+    python examples/train_gpt.py --vpp 2 --steps 60    # the interleaved schedule
 
-    torchrun --nproc-per-node 8 examples/megatron_loop.py --tp 2 --pp 2 --dp 2
+GPUs (one process per GPU, NCCL, bf16; see examples/slurm/ for several nodes)::
+
+    torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --pp 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -62,7 +69,7 @@ def forward_step(data_iterator, model):
 
 
 def counting_batch(args: argparse.Namespace, generator: torch.Generator) -> dict:
-    """``[micro_batch, seq]`` sequences ``start + stride·i (mod vocab)``; the first two tokens are context."""
+    """``[micro_batch, seq]`` sequences ``start + stride·i (mod vocab)``; the first target is masked."""
     size = (args.micro_batch_size, 1)
     start = torch.randint(0, args.vocab_size, size, generator=generator)
     stride = torch.randint(1, 4, size, generator=generator)
@@ -73,30 +80,44 @@ def counting_batch(args: argparse.Namespace, generator: torch.Generator) -> dict
             "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
 
 
+def transformer_layer_spec(use_te: bool):
+    """Transformer Engine layers on GPUs when TE imports, Megatron's local layers otherwise."""
+    if use_te:
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except (ImportError, RuntimeError, OSError, AssertionError):
+            pass
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec()
+
+
 def build_model(args: argparse.Namespace, device: torch.device):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
     cpu = device.type == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, use_cpu_initialization=cpu,
-        params_dtype=torch.float32 if cpu else torch.bfloat16, bf16=not cpu,
-        pipeline_dtype=torch.float32 if cpu else torch.bfloat16,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=not cpu,
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
         batch_p2p_comm=args.vpp is None,  # the interleaved schedule with batched p2p is wrong on gloo
     )
     model_parallel_cuda_manual_seed(1234, **({"inference_rng_tracker": True} if cpu else {}))
+    layer_spec = transformer_layer_spec(use_te=not cpu)
     chunks = []
     for stage in range(args.vpp or 1):
         vp_stage = stage if args.vpp else None
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+            config=config, transformer_layer_spec=layer_spec, vocab_size=args.padded_vocab_size,
             max_sequence_length=args.seq_length, position_embedding_type="learned_absolute",
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -116,6 +137,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from twinkle_megatron import Accuracy, MetricsTracker, TokenStatsMetric
     from twinkle_megatron.megatron import instrument
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
@@ -126,27 +148,83 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         OptimizerConfig(optimizer="adam", lr=args.lr, bf16=device.type != "cpu",
                         clip_grad=0.0 if device.type == "cpu" else 1.0), chunks)
     forward_backward = get_forward_backward_func()
-    # Data-parallel ranks see different sequences; all ranks of one model replica see the same.
-    generator = torch.Generator().manual_seed(ps.get_data_parallel_rank())
+    global_batch_size = args.micro_batch_size * args.microbatches * ps.get_data_parallel_world_size()
 
-    with instrument(chunks, vocab_size=args.vocab_size) as metrics:           # <- the plugin
-        for step in range(1, args.steps + 1):
+    # The tracker reports the loss from Megatron's reports; instrument() adds what needs the logits.
+    metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size),                  # <- plugin
+                                  TokenStatsMetric(vocab_size=args.vocab_size)])
+    tracker = MetricsTracker(                                                            # <- plugin
+        log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
+        padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+        global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir)
+    first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
+    # Data-parallel ranks see different sequences; all ranks of one model replica see the same.
+    generator = torch.Generator().manual_seed(1000 * first_step + ps.get_data_parallel_rank())
+
+    for step in range(first_step, args.steps + 1):
+        with tracker.step(step) as values:                                               # <- plugin
             microbatches = [counting_batch(args, generator) for _ in range(args.microbatches)]
             microbatches = [{k: v.to(device) for k, v in mb.items()} for mb in microbatches]
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            forward_backward(
-                forward_step_func=metrics.wrap(forward_step),                  # <- the plugin
+            reports = forward_backward(
+                forward_step_func=metrics.wrap(forward_step),                            # <- plugin
                 data_iterator=[iter(microbatches) for _ in chunks] if args.vpp else iter(microbatches),
                 model=chunks if args.vpp else chunks[0], num_microbatches=args.microbatches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             _, grad_norm, _ = optimizer.step()
-            results = metrics.calculate()                                        # <- every rank
-            if dist.get_rank() == 0 and (step == 1 or step % args.log_interval == 0):
-                print(f"step {step:4d} | loss {results['loss']:.4f} | accuracy {results['accuracy']:.3f} | "
-                      f"logprob {results['logprob']:.3f} | entropy {results['entropy']:.3f} | "
-                      f"grad norm {grad_norm:.3f}", flush=True)
+            values.update(loss=reports, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
+        if args.save_interval and step % args.save_interval == 0:
+            save_checkpoint(args, chunks, optimizer, tracker, step)
+    tracker.close()
+    metrics.detach()
+    if dist.get_rank() == 0:
+        print_summary(os.path.join(args.run_dir, "metrics.jsonl"))
+
+
+# ------------------------------------------------------------------ checkpoints (resume after a requeue)
+
+
+def _checkpoint_path(args: argparse.Namespace) -> str:
+    return os.path.join(args.run_dir, "checkpoint", f"rank{dist.get_rank():05d}.pt")
+
+
+def save_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker, step: int) -> None:
+    """Every rank saves its own shard (model chunks, optimizer, tracker) for a requeued job."""
+    path = _checkpoint_path(args)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"step": step, "model": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
+                "tracker": tracker.state_dict()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    dist.barrier()
+
+
+def load_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker) -> int:
+    """The step to continue after (0 when there is no checkpoint yet)."""
+    path = _checkpoint_path(args)
+    if not os.path.exists(path):
+        return 0
+    state = torch.load(path, weights_only=False)
+    for chunk, chunk_state in zip(chunks, state["model"]):
+        chunk.load_state_dict(chunk_state)
+    optimizer.load_state_dict(state["optimizer"])
+    tracker.load_state_dict(state["tracker"])  # step numbering, totals, EMAs; logs drop later steps
+    if dist.get_rank() == 0:
+        print(f"resumed from step {state['step']} ({path})", flush=True)
+    return int(state["step"])
+
+
+def print_summary(jsonl_path: str) -> None:
+    records = [json.loads(line) for line in open(jsonl_path, encoding="utf-8") if line.strip()]
+    records = [r for r in records if "loss" in r]
+    if not records:
+        return
+    first, last = records[0], records[-1]
+    print(f"\nsummary over steps {first['step']}..{last['step']}  (full log: {jsonl_path})")
+    for key in ("loss", "accuracy", "entropy", "tokens_per_second", "step_time"):
+        if key in first and key in last:
+            print(f"  {key:<18} {first[key]:>12.4f} -> {last[key]:>12.4f}")
 
 
 # ------------------------------------------------------------------ launching
@@ -165,13 +243,13 @@ def _cpu_worker(rank: int, world_size: int, store_path: str, args: argparse.Name
     dist.destroy_process_group()
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=2, help="data-parallel size (CPU launch only)")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel size (CPU launch; torchrun: world / TP·PP)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-interval", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -181,15 +259,35 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
-    # Megatron pads the vocabulary to a multiple of 128·TP on GPUs; a multiple of TP is enough here.
+    parser.add_argument("--run-name", default=os.environ.get("SLURM_JOB_NAME", "demo"))
+    parser.add_argument("--log-dir", default="runs", help="RUN_DIR is LOG_DIR/RUN_NAME")
+    parser.add_argument("--backends", nargs="+", default=None,
+                        help="stdout jsonl tensorboard wandb swanlab mlflow (default: stdout jsonl, "
+                             "and tensorboard when installed)")
+    parser.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
+    args = parser.parse_args(argv)
+    # Megatron-LM pads the vocabulary to a multiple of 128·TP; a multiple of TP is enough to show padding.
     args.padded_vocab_size = -(-args.vocab_size // args.tp) * args.tp + args.tp
+    args.run_dir = os.path.join(args.log_dir, args.run_name)
+    if args.backends is None:
+        args.backends = ["stdout", "jsonl"]
+        try:
+            import tensorboard  # noqa: F401
 
+            args.backends.append("tensorboard")
+        except ImportError:
+            pass
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if "RANK" in os.environ:  # torchrun: one process per GPU
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-            else torch.device("cpu")
-        if device.type == "cuda":
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        if cuda:
             torch.cuda.set_device(device)
         train(args, device)
         dist.destroy_process_group()
@@ -200,9 +298,11 @@ def main() -> None:
 
     import twinkle_megatron  # noqa: F401
 
+    if not args.resume and os.path.exists(os.path.join(args.run_dir, "metrics.jsonl")):
+        os.remove(os.path.join(args.run_dir, "metrics.jsonl"))  # a fresh demo run, not an appended one
     print(f"{world_size} CPU ranks: TP{args.tp} × PP{args.pp}{f' (×{args.vpp} virtual)' if args.vpp else ''} "
-          f"× DP{args.dp}, {args.microbatches} microbatches of {args.micro_batch_size}×{args.seq_length} tokens",
-          flush=True)
+          f"× DP{args.dp}, {args.microbatches} microbatches of {args.micro_batch_size}×{args.seq_length} tokens "
+          f"per DP rank, logging to {args.run_dir}", flush=True)
     context = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         procs = [context.Process(target=_cpu_worker, args=(rank, world_size, os.path.join(tmp, "store"), args))
