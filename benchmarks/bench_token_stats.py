@@ -15,10 +15,12 @@ and times on every rank's ``[tokens, vocab]`` shard (``vocab`` = local columns):
 (c) all-gather the vocabulary, ``torch.cat`` and plain torch in fp32
     (``argmax``, ``log_softmax`` + ``gather``, ``-(p * log p).sum(-1)``).
 
-Reported per method: the median wall time per call over ``--repeats`` calls after
-one warm-up (each call starts after a barrier; a call's time is the slowest
-rank's), the time relative to (a), the collectives per call, and the peak extra
-memory as a fraction of the shard's bytes.
+Reported per method: the median (and minimum) wall time per call over
+``--repeats`` calls after one warm-up (each call starts after a barrier; a call's
+time is the slowest rank's; the methods take turns, a, b, c, a, b, c, ..., so
+that load from elsewhere on the machine hits all of them alike), the median
+time relative to (a), the collectives per call, and the peak extra memory as a
+fraction of the shard's bytes.
 
 How the last two are measured (in one extra, untimed call per method, under
 ``TorchDispatchMode``s, so nothing is counted by hand):
@@ -197,21 +199,25 @@ def bench_rank(tokens: int, vocab: int, dtypes: list[str], repeats: int) -> dict
         labels = torch.randint(0, vocab * tp, (tokens,), generator=torch.Generator().manual_seed(7))
         shard_bytes = logits.numel() * logits.element_size()
         before = logits.clone()
-        rows, outputs = [], []
-        for name, fn in METHODS:
+        # Round-robin (a, b, c, a, b, c, ...) so that load from elsewhere on the
+        # machine hits every method alike.
+        times: list[list[float]] = [[] for _ in METHODS]
+        for _, fn in METHODS:
             fn(logits, labels, group)  # warm-up
-            times = []
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for i, (_, fn) in enumerate(METHODS):
                 dist.barrier(group=group)
                 start = time.perf_counter()
                 fn(logits, labels, group)
-                times.append(time.perf_counter() - start)
-            slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+                times[i].append(time.perf_counter() - start)
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        rows, outputs = [], []
+        for (name, fn), method_times in zip(METHODS, slowest.tolist()):
             with CountCollectives() as counter, PeakMemory() as memory:
                 result = fn(logits, labels, group)
             outputs.append(result)
-            rows.append({"name": name, "median_s": statistics.median(slowest.tolist()),
+            rows.append({"name": name, "median_s": statistics.median(method_times), "min_s": min(method_times),
                          "collectives": counter.ops, "peak_extra": memory.peak / shard_bytes})
             if name.startswith("(a)"):
                 assert torch.equal(logits, before), "ours modified the logits"
@@ -300,7 +306,7 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
     report = launch(args.tp, {"tokens": args.tokens, "vocab": args.vocab, "dtypes": dtypes,
                               "repeats": args.repeats})
     for dtype_name in dtypes:
@@ -310,13 +316,14 @@ def main() -> None:
         print(f"\nTP={args.tp}, {args.tokens} tokens x {args.vocab} local vocab ({args.vocab * args.tp} global), "
               f"{dtype_name} logits (shard {r['shard_mib']:.0f} MiB/rank), gloo on CPU, 1 thread/rank, "
               f"median of {args.repeats}")
-        header = f"{'method':<55} {'s/call':>8} {'x (a)':>7} {'collectives/call':<34} {'peak extra mem':>14}"
+        header = (f"{'method':<55} {'median s':>8} {'min s':>7} {'x (a)':>7} {'collectives/call':<34} "
+                  f"{'peak extra mem':>14}")
         print(header)
         print("-" * len(header))
         for row in rows:
             ops = row["collectives"]
             summary = ", ".join(f"{ops.count(o)} {o}" for o in dict.fromkeys(ops)) or "none"
-            print(f"{row['name']:<55} {row['median_s']:>8.3f} {row['median_s'] / base:>6.2f}x "
+            print(f"{row['name']:<55} {row['median_s']:>8.3f} {row['min_s']:>7.3f} {row['median_s'] / base:>6.2f}x "
                   f"{f'{len(ops)} ({summary})':<34} {row['peak_extra']:>11.3f} x shard")
         for a in r["agreement"]:
             print(f"{a['name']} vs (c): argmax equal: {a['argmax_equal']}, max |d logprob| = "
@@ -328,7 +335,9 @@ def main() -> None:
         b, c = rows[1]["median_s"] / base, rows[2]["median_s"] / base
         print(f"speed-up of (a): {b:.1f}x over (b) (target >= 3x), {c:.1f}x over (c) (target >= 8x); "
               f"extra memory {rows[0]['peak_extra']:.3f} x shard (target < 0.25)")
-    print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s")
+    print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s; 1-minute load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs "
+          f"(other work on the machine slows every method)")
 
 
 if __name__ == "__main__":
