@@ -221,41 +221,6 @@ def check_case(case: Case, tp: int, per_rank: list) -> None:
 # ----------------------------------------------------------------------------- workers
 
 
-def _to_host(obj):
-    """Tensors as (dtype, shape, bytes): a pipe would send torch tensors as shared memory that dies with the
-    worker."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().contiguous()
-        data = t.view(torch.uint8).numpy().tobytes()
-        return ("tensor", str(t.dtype).removeprefix("torch."), tuple(t.shape), data)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_host(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    return obj
-
-
-def _from_host(obj):
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "tensor":
-        _, dtype, shape, data = obj
-        empty = torch.zeros(0, dtype=torch.uint8)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else empty
-        return raw.view(getattr(torch, dtype)).reshape(shape)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_from_host(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _from_host(v) for k, v in obj.items()}
-    return obj
-
-
-def run_ranks(fn: Callable, world: Optional[int] = None, **kwargs) -> list:
-    """:func:`run_distributed` with tensors shipped as bytes."""
-    def shipped(*args, **kw):
-        return _to_host(fn(*args, **kw))
-    shipped.__name__ = fn.__name__
-    return _from_host(run_distributed(shipped, world, **kwargs))
-
-
 def _cases_worker(cases: list) -> list:
     group = dist.group.WORLD
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -304,7 +269,7 @@ def test_whole_vocab_local(case: Case) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel(world: int) -> None:
     """TP = 2 and 4 over the world group: all cases, chunk sizes and ops; identical on every rank."""
-    per_rank = run_ranks(_cases_worker, world, args=(CASES,))
+    per_rank = run_distributed(_cases_worker, world, args=(CASES,))
     for i, case in enumerate(CASES):
         check_case(case, world, [r[i] for r in per_rank])
 
@@ -549,7 +514,7 @@ def _collectives_worker() -> dict:
 def test_collective_count_and_subgroups() -> None:
     """Exactly 2 collectives per stats call (1 for argmax) whatever the chunking; none for T=0, one rank
     or no group. Two TP=2 groups inside a world of 4 with different data, each matching its reference."""
-    per_rank = run_ranks(_collectives_worker, 4)
+    per_rank = run_distributed(_collectives_worker, 4)
     for rank, r in enumerate(per_rank):
         for key, (api, ops) in r["counts"].items():
             n = 1 if key == "argmax" else 0 if key in ("empty", "group of one", "group None") else 2
@@ -619,7 +584,7 @@ def test_no_host_sync() -> None:
     cases = [CASES[1], CASES[2], CASES[3], CASES[6]]
     with _NoHostSync(), pytest.raises(AssertionError, match="host sync"):
         bool(torch.ones(1))  # the guard itself works
-    per_rank = run_ranks(_no_sync_worker, 2, args=(cases,))
+    per_rank = run_distributed(_no_sync_worker, 2, args=(cases,))
     for i, case in enumerate(cases):
         check_case(case, 2, [r[i] for r in per_rank])
 
@@ -639,5 +604,5 @@ def test_megatron_tensor_parallel_group() -> None:
     """Megatron's own TP group (TP=2 x DP=2, [s,b,v] logits, bf16, padded vocabulary)."""
     pytest.importorskip("megatron.core")
     case = CASES[2]
-    per_rank = run_ranks(_megatron_worker, layout=Layout(tp=2, dp=2), args=(case,))
+    per_rank = run_distributed(_megatron_worker, layout=Layout(tp=2, dp=2), args=(case,))
     check_case(case, 2, per_rank)
