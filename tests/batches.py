@@ -9,17 +9,14 @@ microbatches split the DP block along dim 0.
 from __future__ import annotations
 
 import torch
+from megatron_gpt import cp_slice
 
 
 def dp_cp_shard(tensor: torch.Tensor, dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1,
                 seq_dim: int = 1) -> torch.Tensor:
     """This rank's part of a ``[B, S, ...]`` global tensor."""
     block = tensor.shape[0] // dp_size
-    local = tensor[dp_rank * block:(dp_rank + 1) * block]
-    if cp_size == 1:
-        return local
-    chunks = local.chunk(2 * cp_size, dim=seq_dim)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+    return cp_slice(tensor[dp_rank * block:(dp_rank + 1) * block], seq_dim, cp_size, cp_rank)
 
 
 def split_microbatches(tensor: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:

@@ -60,7 +60,7 @@ def calculate_metrics(metrics: Iterable[Metric]) -> dict[str, Number]:
         metric.reset()
         # Two metrics may report the same count (nonfinite_tokens of Accuracy and TokenStatsMetric);
         # a key reported twice with different values would silently lose one of them.
-        clashes = sorted(key for key in set(computed) & set(results) if not _same(computed[key], results[key]))
+        clashes = sorted(key for key in set(computed) & set(results) if not same_value(computed[key], results[key]))
         if clashes:
             error = error or ValueError(
                 f"{type(metric).__name__} reports {clashes}, which an earlier metric of the collection reports "
@@ -95,7 +95,8 @@ def _shared_context(metrics: list[Metric]) -> ParallelContext:
     return first
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Equal, or both NaN: the same value reported twice is no clash."""
     return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 

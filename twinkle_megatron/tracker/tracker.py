@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..logging import Backend, MetricsLogger, build_backend
 from ..metric.base import Metric
-from ..metric.collection import MetricCollection, calculate_metrics
+from ..metric.collection import MetricCollection, calculate_metrics, same_value
 from ..parallel import ParallelContext
 from .flops import flops_coefficients, num_floating_point_operations
 from .memory import read_device_memory, reset_peak_memory
@@ -204,7 +204,7 @@ class MetricsTracker:
         self.tokens_total += record.get("tokens", 0)
         if "tokens" in record:
             record["tokens_total"] = self.tokens_total
-        clashes = sorted(key for key in set(results) & set(record) if not _same(results[key], record[key]))
+        clashes = sorted(key for key in set(results) & set(record) if not same_value(results[key], record[key]))
         if clashes:
             raise ValueError(f"metrics passed to MetricsTracker report {clashes}, which the tracker reports too; "
                              "give that value to the metric or to end_step, not to both")
@@ -341,11 +341,6 @@ def _real_tokens(tokens: Any, loss_mask: Optional[torch.Tensor], labels: Optiona
     if labels is not None:
         return (labels != ignore_index).sum()
     return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal, or both NaN: the same value reported by a metric and by the tracker is no clash."""
-    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def _rank_index(context: ParallelContext) -> int:
