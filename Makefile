@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
-	$(PY) examples/demo_metrics.py
+	$(PY) examples/train_gpt.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
