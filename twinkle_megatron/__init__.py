@@ -1,10 +1,24 @@
 """twinkle-megatron: Twinkle's metric API, correct and cheap under Megatron's TP/PP/CP/DP."""
 
-from .metric import Accuracy, LossMetric, Metric, MetricCollection, TokenStatsMetric, TrainMetric
+from .metric import (
+    Accuracy,
+    CISPOMetric,
+    CompletionRewardMetric,
+    DPOMetric,
+    EmbeddingMetric,
+    GRPOMetric,
+    GSPOMetric,
+    LossMetric,
+    Metric,
+    MetricCollection,
+    TokenStatsMetric,
+    TrainMetric,
+)
 from .parallel import ParallelContext
 from .tracker import MetricsTracker
 
 __version__ = "0.1.0"
 
-__all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "ParallelContext",
+__all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric",
+           "GSPOMetric", "CISPOMetric", "DPOMetric", "EmbeddingMetric", "CompletionRewardMetric", "ParallelContext",
            "MetricsTracker", "__version__"]

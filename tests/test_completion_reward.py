@@ -1,0 +1,121 @@
+"""CompletionRewardMetric: global mean and sample std over all ranks' completions, names agreed in the sync."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+import torch.distributed as dist
+from batches import dp_cp_shard
+from distributed import Layout, run_distributed
+from instrumentation import count_collectives, forbid_host_sync
+
+from twinkle_megatron.metric.completion_reward import CompletionRewardMetric
+
+COMPLETIONS = 16
+
+
+def test_hand_computed_single_process():
+    metric = CompletionRewardMetric()
+    metric.accumulate(rewards={"accuracy": [1.0, 0.0, 1.0], "format": [0.5, 0.25, 1.0]},
+                      completion_lengths=[10, 20, 30], generate_time=2.0)
+    metric.accumulate(None, None, rewards={"accuracy": torch.tensor([1.0])}, weight_sync_time=1.0,
+                      generate_time=4.0)
+    assert metric.calculate() == pytest.approx({
+        "profiling/Time taken: move_model_to_sampler": 1.0,
+        "profiling/Time taken: generate": 3.0,
+        "train/accuracy_reward": 0.75,
+        "train/accuracy_reward_std": statistics.stdev([1.0, 0.0, 1.0, 1.0]),
+        "train/format_reward": 1.75 / 3,
+        "train/format_reward_std": statistics.stdev([0.5, 0.25, 1.0]),
+        "train/completion_length": 20.0,
+    }, rel=1e-12)
+    metric.accumulate(rewards={"single": [3.0]})
+    assert metric.calculate() == {"train/single_reward": 3.0, "train/single_reward_std": 0.0}
+    assert metric.calculate() == {}, "no data gives {}"
+
+
+def global_rollout(seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"accuracy": (torch.rand(COMPLETIONS, generator=generator) < 0.6).double(),
+            "format": torch.rand(COMPLETIONS, generator=generator, dtype=torch.float64) * 2 - 0.5,
+            "lengths": torch.randint(5, 200, (COMPLETIONS,), generator=generator)}
+
+
+def _rewards_on_rank(calls: int) -> tuple[dict, dict]:
+    """Every rank passes its data-parallel block (as a driver running on all ranks would): duplicates on
+    TP, CP and earlier pipeline ranks must not count."""
+    from megatron.core import parallel_state as ps
+
+    rollout = global_rollout()
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    local = {k: dp_cp_shard(v, dp_rank, dp_size) for k, v in rollout.items()}
+    metric = CompletionRewardMetric()
+    with forbid_host_sync(allow_cpu=False):
+        for part in range(calls):
+            piece = {k: v.chunk(calls)[part] for k, v in local.items()}
+            metric.accumulate(rewards={"accuracy": piece["accuracy"], "format": piece["format"]},
+                              completion_lengths=piece["lengths"], generate_time=10.0 + dp_rank,
+                              weight_sync_time=1.0 + dp_rank)
+    with count_collectives() as counts:
+        result = metric.calculate()
+    return result, dict(counts)
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)], ids=str)
+def test_same_rollout_gives_the_single_process_result(layout):
+    rollout = global_rollout()
+    expected = {
+        "profiling/Time taken: move_model_to_sampler": 1.0 + (layout.dp - 1) / 2,
+        "profiling/Time taken: generate": 10.0 + (layout.dp - 1) / 2,
+        "train/accuracy_reward": statistics.mean(rollout["accuracy"].tolist()),
+        "train/accuracy_reward_std": statistics.stdev(rollout["accuracy"].tolist()),
+        "train/format_reward": statistics.mean(rollout["format"].tolist()),
+        "train/format_reward_std": statistics.stdev(rollout["format"].tolist()),
+        "train/completion_length": statistics.mean(rollout["lengths"].double().tolist()),
+    }
+    for calls in (1, 2):
+        per_rank = run_distributed(_rewards_on_rank, layout=layout, args=(calls,))
+        assert all(r == per_rank[0] for r in per_rank), "every rank returns the same dict"
+        result, counts = per_rank[0]
+        assert result == pytest.approx(expected, rel=1e-9)
+        assert counts == {"all_reduce": 2}, "names travel in the states: no extra collective"
+
+
+def _names_on_rank(conflicting: bool) -> dict:
+    rewards = {"a": [1.0], "b": [2.0]}
+    if dist.get_rank() == 1:
+        rewards = {"b": [4.0], "a": [3.0]} if conflicting else {"a": [3.0]}
+    metric = CompletionRewardMetric()
+    metric.accumulate(rewards=rewards)
+    try:
+        return metric.calculate()
+    except ValueError as error:
+        return {"error": str(error)}
+
+
+def test_reward_names_agree_across_ranks_or_raise_everywhere():
+    results = run_distributed(_names_on_rank, 2, args=(False,))
+    assert results[0] == results[1] == {"train/a_reward": 2.0, "train/a_reward_std": pytest.approx(2 ** 0.5),
+                                        "train/b_reward": 2.0, "train/b_reward_std": 0.0}
+    results = run_distributed(_names_on_rank, 2, args=(True,))
+    assert all("different orders" in r["error"] and "'a'" in r["error"] and "'b'" in r["error"] for r in results)
+
+
+def test_limits_are_checked_when_names_arrive():
+    metric = CompletionRewardMetric(max_reward_functions=2, max_name_length=8)
+    with pytest.raises(ValueError, match="more than 2 reward functions"):
+        metric.accumulate(rewards={"a": [1.0], "b": [1.0], "c": [1.0]})
+    with pytest.raises(ValueError, match="longer than 8 characters"):
+        CompletionRewardMetric(max_name_length=8).accumulate(rewards={"a_very_long_name": [1.0]})
+
+
+def test_resume_keeps_reward_slots():
+    metric = CompletionRewardMetric()
+    metric.accumulate(rewards={"a": [1.0], "b": [2.0]})
+    resumed = CompletionRewardMetric()
+    resumed.load_state_dict(metric.state_dict())
+    resumed.accumulate(rewards={"b": [4.0]})  # slot of 'b' is 1, as before the restart
+    assert resumed.calculate() == {"train/a_reward": 1.0, "train/a_reward_std": 0.0, "train/b_reward": 3.0,
+                                   "train/b_reward_std": pytest.approx(2 ** 0.5)}

@@ -1,0 +1,160 @@
+r"""CompletionRewardMetric: reward, completion-length and rollout-time statistics over all ranks.
+
+Twinkle's version keeps Python lists and never communicates, so each rank
+reports its own completions. Here every statistic is a sum (value, square,
+count) in the collection's one sync, so the mean and the sample standard
+deviation cover all completions of all data-parallel ranks.
+
+Reward functions are named by the caller (``rewards={'accuracy': [...], …}``),
+but state shapes must be declared identically on every rank, including ranks
+that never see a reward. So each name takes a slot (in order of first
+appearance, up to ``max_reward_functions``) and its characters travel as
+numbers in a ``max`` state (and a ``min`` state, to detect ranks that put
+different names in one slot): every rank learns the names from the same sync,
+without an extra collective.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .base import Metric, Number, StateValues
+
+GENERATE_TIME = "profiling/Time taken: generate"
+WEIGHT_SYNC_TIME = "profiling/Time taken: move_model_to_sampler"
+
+
+class CompletionRewardMetric(Metric):
+    r"""Twinkle's ``CompletionRewardMetric``, data-parallel for real.
+
+    ``accumulate(inputs=None, outputs=None, *, rewards=None, completion_lengths=None,
+    generate_time=None, weight_sync_time=None)``: ``rewards`` maps a reward
+    function's name to its values (a list or tensor, one per completion);
+    ``completion_lengths`` one number per completion; the times one number per
+    call. Over all completions ``x`` of all calls and ranks (``n`` of them):
+
+    ============================================== =====================================
+    ``train/{name}_reward``                        Σx / n
+    ``train/{name}_reward_std``                    sqrt((Σx² − (Σx)²/n) / (n − 1))   (0 when n = 1)
+    ``train/completion_length``                    mean completion length
+    ``profiling/Time taken: generate``             mean of the generate times passed
+    ``profiling/Time taken: move_model_to_sampler`` mean of the weight-sync times passed
+    ============================================== =====================================
+
+    Sums are float64. Keys appear only when their values were passed (Twinkle
+    reports -1.0 for a missing time). Completions are whole on every CP rank,
+    so ``cp_gathered`` defaults to True; like every metric, values passed on
+    the last pipeline stage, TP rank 0, count. Every rank must name its
+    reward functions in the same order; a conflict raises ``ValueError``.
+    """
+
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, cp_gathered: bool = True,
+                 max_reward_functions: int = 16, max_name_length: int = 64, **kwargs: Any) -> None:
+        super().__init__(device_mesh, process_group, cp_gathered=cp_gathered, **kwargs)
+        self.max_reward_functions = max_reward_functions
+        self.max_name_length = max_name_length
+        slots, width = (max_reward_functions,), (max_reward_functions, max_name_length)
+        self.add_state("reward_sum", "sum", slots)
+        self.add_state("reward_square_sum", "sum", slots)
+        self.add_state("reward_count", "sum", slots)
+        self.add_state("reward_names", "max", width)  # character codes; -inf: slot unused
+        self.add_state("reward_names_min", "min", width)  # equal to reward_names unless ranks disagree
+        for name in ("completion_length_sum", "completions", "generate_time_sum", "generate_times",
+                     "weight_sync_time_sum", "weight_sync_times"):
+            self.add_state(name, "sum")
+        self._slots: dict[str, int] = {}
+
+    def accumulate(self, inputs: Any = None, outputs: Any = None, *, rewards: Optional[Mapping[str, Any]] = None,
+                   completion_lengths: Any = None, generate_time: Optional[Any] = None,
+                   weight_sync_time: Optional[Any] = None, **kwargs: Any) -> None:
+        if rewards:
+            self._accumulate_rewards(rewards)
+        if completion_lengths is not None:
+            lengths = torch.as_tensor(completion_lengths, dtype=torch.float64).reshape(-1)
+            self._add("completion_length_sum", lengths.sum())
+            self._add("completions", lengths.numel())
+        if generate_time is not None:
+            self._add("generate_time_sum", generate_time)
+            self._add("generate_times", 1.0)
+        if weight_sync_time is not None:
+            self._add("weight_sync_time_sum", weight_sync_time)
+            self._add("weight_sync_times", 1.0)
+
+    def _accumulate_rewards(self, rewards: Mapping[str, Any]) -> None:
+        codes = torch.full((self.max_reward_functions, self.max_name_length), float("-inf"), dtype=torch.float64)
+        values = {self._slot(name): torch.as_tensor(value, dtype=torch.float64).reshape(-1)
+                  for name, value in rewards.items()}
+        for name, slot in self._slots.items():
+            codes[slot] = torch.tensor(_encode(name, self.max_name_length), dtype=torch.float64)
+        device = next(iter(values.values())).device
+        sums, squares, counts = (torch.zeros(self.max_reward_functions, dtype=torch.float64, device=device)
+                                 for _ in range(3))
+        for slot, value in values.items():
+            value = value.to(device)
+            sums[slot] = value.sum()  # device ops: a tensor of rewards is never read on the host here
+            squares[slot] = (value * value).sum()
+            counts[slot] = value.numel()
+        self._add("reward_sum", sums)
+        self._add("reward_square_sum", squares)
+        self._add("reward_count", counts)
+        self._maximum("reward_names", codes)
+        self._minimum("reward_names_min", torch.where(torch.isinf(codes), float("inf"), codes))
+
+    def _slot(self, name: str) -> int:
+        if name not in self._slots:
+            if len(self._slots) == self.max_reward_functions:
+                raise ValueError(f"more than {self.max_reward_functions} reward functions ({sorted(self._slots)} "
+                                 f"and {name!r}); raise CompletionRewardMetric(max_reward_functions=...)")
+            if len(name) > self.max_name_length or "\0" in name:
+                raise ValueError(f"reward function name {name!r} is longer than {self.max_name_length} characters "
+                                 "(raise max_name_length) or contains a NUL character")
+            self._slots[name] = len(self._slots)
+        return self._slots[name]
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
+        results: dict[str, Number] = {}
+        if states["weight_sync_times"] > 0:
+            results[WEIGHT_SYNC_TIME] = states["weight_sync_time_sum"] / states["weight_sync_times"]
+        if states["generate_times"] > 0:
+            results[GENERATE_TIME] = states["generate_time_sum"] / states["generate_times"]
+        names, names_min = states["reward_names"], states["reward_names_min"]
+        for slot in range(self.max_reward_functions):
+            if names[slot, 0] == float("-inf"):
+                continue
+            if not torch.equal(names[slot], names_min[slot]):
+                raise ValueError(f"ranks passed reward functions in different orders (slot {slot} holds "
+                                 f"{_decode(names[slot])!r} and {_decode(names_min[slot])!r}); pass the same names "
+                                 "in the same order on every rank")
+            count = float(states["reward_count"][slot])
+            if count == 0:
+                continue
+            total, squares = float(states["reward_sum"][slot]), float(states["reward_square_sum"][slot])
+            name = _decode(names[slot])
+            results[f"train/{name}_reward"] = total / count
+            variance = (squares - total * total / count) / (count - 1) if count > 1 else 0.0
+            results[f"train/{name}_reward_std"] = math.sqrt(max(variance, 0.0))
+        if states["completions"] > 0:
+            results["train/completion_length"] = states["completion_length_sum"] / states["completions"]
+        return results
+
+    def reset(self) -> None:
+        super().reset()
+        self._slots = {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        names = self._states["reward_names"].cpu()
+        self._slots = {_decode(names[slot]): slot for slot in range(self.max_reward_functions)
+                       if names[slot, 0] != float("-inf")}
+
+
+def _encode(name: str, width: int) -> list[float]:
+    """A name as ``width`` character codes, padded with 0."""
+    return [float(ord(c)) for c in name] + [0.0] * (width - len(name))
+
+
+def _decode(codes: torch.Tensor) -> str:
+    return "".join(chr(int(c)) for c in codes.tolist() if 0 < c < float("inf"))

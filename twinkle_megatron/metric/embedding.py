@@ -1,0 +1,173 @@
+r"""EmbeddingMetric: anchor/positive similarity and in-batch negatives over the global batch.
+
+**Cross-rank data without a gather of embeddings.** Twinkle all-gathers every
+embedding of every rank (sizing its buffers by the world size while gathering
+on the DP group, which breaks with TP/PP/CP > 1). Here nothing but sums cross
+ranks. With unit vectors ``â_i`` (anchors) and ``p̂_i`` (their positives), the
+in-batch negative similarities of a batch of ``n`` anchors add up to
+
+    Σ_{i≠j} â_i·p̂_j = (Σ_i â_i)·(Σ_j p̂_j) − Σ_i â_i·p̂_i
+
+so a rank only needs its ``Σ â``, ``Σ p̂`` (two ``d``-vectors), its anchor count
+and its positive-similarity sum per ``accumulate`` call. Positive
+similarities (sum, min, max, count) are ordinary states; the per-call vectors
+travel in the collection's one object all-gather over the reduction group
+(ranks that do not hold data contribute nothing), so any TP×PP×CP×DP layout
+and any per-rank batch size work, and the bytes sent are ``O(d)`` per rank
+and call instead of ``O(n·d)``. The product of the global sums happens in
+``compute``, after the gather: the result equals the single-process one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .base import Metric, Number, StateValues
+from .inputs import microbatches
+
+
+class EmbeddingMetric(Metric):
+    r"""Twinkle's ``EmbeddingMetric`` (InfoNCE training), with numbers and an exact cross-rank batch.
+
+    ``labels`` mark anchors (non-zero); the positive of the anchor at row ``i``
+    is row ``i + 1`` of the same ``accumulate`` call (an anchor in the last row
+    has none and is skipped). Over all anchors of all ranks, with cosine
+    similarity ``cos``:
+
+    ================ =========================================================
+    ``pos_sim``      mean cos(anchor_i, positive_i)
+    ``pos_sim_min``  min  cos(anchor_i, positive_i)
+    ``pos_sim_max``  max  cos(anchor_i, positive_i)
+    ``neg_sim``      mean cos(anchor_i, positive_j), i ≠ j, within each call's global batch
+    ``loss``         mean of the ``outputs['loss']`` values passed (over calls and ranks)
+    ``grad_norm``    latest value passed (``grad_norm=`` or ``outputs['grad_norm']``), max over ranks
+    ================ =========================================================
+
+    ``neg_sim`` is a cosine like ``pos_sim`` (Twinkle uses a raw dot product,
+    which agrees only for normalised embeddings). Embeddings
+    (``outputs['embeddings']``, else ``outputs['logits']``) are ``[n, d]`` or
+    ``[n, s, d]`` (position 0 is taken), one tensor or a list per microbatch;
+    ``labels`` hold one value per row. Sentence embeddings are complete on
+    every CP rank (pooled, or position 0, which Megatron's CP split keeps on CP
+    rank 0), so ``cp_gathered`` defaults to True: CP rank 0 counts.
+    """
+
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, cp_gathered: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(device_mesh, process_group, cp_gathered=cp_gathered, **kwargs)
+        self.add_state("pos_sim_sum", "sum")
+        self.add_state("pos_count", "sum")
+        self.add_state("pos_sim_min", "min")
+        self.add_state("pos_sim_max", "max")
+        self.add_state("loss_sum", "sum")
+        self.add_state("loss_values", "sum")
+        self.add_state("grad_norm", "max")
+        self._calls: list[tuple] = []  # per call with anchors: call index, Σâ, Σp̂, anchors, Σ cos(â, p̂)
+        self._call_count = 0  # calls since the last calculate(): ranks call in lockstep, so indices agree
+
+    def accumulate(self, inputs: Any, outputs: Any, grad_norm: Optional[Any] = None, **kwargs: Any) -> None:
+        if outputs is None:
+            return
+        key = "embeddings" if outputs.get("embeddings") is not None else "logits"
+        if outputs.get(key) is None:
+            return
+        sentences, labels = [], []
+        for index, (batch, output) in enumerate(microbatches(inputs, outputs, (key,))):
+            embeddings = output[key]
+            embeddings = embeddings[:, 0] if embeddings.dim() == 3 else embeddings
+            if batch.get("labels") is None:
+                raise ValueError("EmbeddingMetric needs inputs['labels'] (non-zero marks an anchor)")
+            batch_labels = torch.as_tensor(batch["labels"]).reshape(-1).to(embeddings.device)
+            if embeddings.shape[0] != batch_labels.shape[0]:
+                raise ValueError(f"outputs[{key!r}] has {embeddings.shape[0]} rows (shape {tuple(output[key].shape)}) "
+                                 f"but labels has {batch_labels.shape[0]} values (microbatch {index})")
+            sentences.append(embeddings)
+            labels.append(batch_labels)
+        self._accumulate_call(torch.cat(sentences), torch.cat(labels))
+        self._call_count += 1
+        self._accumulate_loss(outputs.get("loss"))
+        grad_norm = grad_norm if grad_norm is not None else outputs.get("grad_norm")
+        if grad_norm is not None:
+            self._assign("grad_norm", grad_norm)
+
+    def _accumulate_call(self, sentences: torch.Tensor, labels: torch.Tensor) -> None:
+        if sentences.shape[0] < 2:
+            return
+        unit = F.normalize(sentences.to(torch.float64), dim=-1)
+        anchors, positives = unit[:-1], unit[1:]
+        is_anchor = labels[:-1] != 0
+        similarity = (anchors * positives).sum(-1)
+        zero = torch.zeros((), dtype=torch.float64, device=unit.device)
+        positive_sum = torch.where(is_anchor, similarity, zero).sum()
+        self._add("pos_sim_sum", positive_sum)
+        self._add("pos_count", is_anchor.sum())
+        inf = torch.full((), float("inf"), dtype=torch.float64, device=unit.device)
+        self._minimum("pos_sim_min", torch.where(is_anchor, similarity, inf).min())
+        self._maximum("pos_sim_max", torch.where(is_anchor, similarity, -inf).max())
+        weights = is_anchor.to(torch.float64)[:, None]
+        self._calls.append((self._call_count, (anchors * weights).sum(0), (positives * weights).sum(0), is_anchor.sum(),
+                            positive_sum))
+
+    def _accumulate_loss(self, loss: Any) -> None:
+        if loss is None:
+            return
+        for value in loss if isinstance(loss, (list, tuple)) else [loss]:
+            self._add("loss_sum", self._as_state("loss_sum", value).reshape(()))
+            self._add("loss_values", 1.0)
+
+    def _local_records(self) -> Optional[list]:
+        # calculate() time: reading the per-call sums on the host is allowed here.
+        return [(call, anchor_sum.tolist(), positive_sum.tolist(), int(anchors), float(positive_similarity))
+                for call, anchor_sum, positive_sum, anchors, positive_similarity in self._calls]
+
+    def _negative_similarity(self) -> tuple[float, int]:
+        """(Σ over calls of Σ_{i≠j} cos(â_i, p̂_j), number of such pairs), from all ranks' per-call sums."""
+        per_call: dict[int, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
+        for call, anchor_sum, positive_sum, anchors, positive_similarity in self.gathered_records:
+            totals = per_call[call]
+            totals[0] = totals[0] + torch.tensor(anchor_sum, dtype=torch.float64)
+            totals[1] = totals[1] + torch.tensor(positive_sum, dtype=torch.float64)
+            totals[2] += anchors
+            totals[3] += positive_similarity
+        negative_sum, negative_pairs = 0.0, 0
+        for anchor_sum, positive_sum, anchors, positive_similarity in per_call.values():
+            if anchors > 1:
+                negative_sum += float(torch.dot(anchor_sum, positive_sum)) - positive_similarity
+                negative_pairs += anchors * (anchors - 1)
+        return negative_sum, negative_pairs
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
+        results: dict[str, Number] = {}
+        if states["pos_count"] > 0:
+            results["pos_sim"] = states["pos_sim_sum"] / states["pos_count"]
+            results["pos_sim_min"] = states["pos_sim_min"]
+            results["pos_sim_max"] = states["pos_sim_max"]
+        negative_sum, negative_pairs = self._negative_similarity()
+        if negative_pairs > 0:
+            results["neg_sim"] = negative_sum / negative_pairs
+        if states["loss_values"] > 0:
+            results["loss"] = states["loss_sum"] / states["loss_values"]
+        if states["grad_norm"] != float("-inf"):
+            results["grad_norm"] = states["grad_norm"]
+        return results
+
+    def reset(self) -> None:
+        super().reset()
+        self._calls = []
+        self._call_count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        calls = [tuple(v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for v in call)
+                 for call in self._calls]
+        return {**super().state_dict(), "calls": calls, "call_count": self._call_count}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        device = self._state_device()
+        self._calls = [tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in call)
+                       for call in state_dict.get("calls", [])]
+        self._call_count = state_dict.get("call_count", 0)
