@@ -20,7 +20,8 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 demo: $(STAMP)
-	$(PY) examples/train_gpt.py
+	$(PY) examples/train_gpt.py --run-name demo --log-dir runs
+	$(PY) -m twinkle_megatron.cli plot runs/demo/metrics.jsonl -o runs/demo/plots
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

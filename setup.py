@@ -7,7 +7,8 @@ extras = {
     "swanlab": ["swanlab"],
     "mlflow": ["mlflow"],
     "plot": ["matplotlib"],
-    "test": ["pytest>=7", "ruff>=0.5"],
+    # matplotlib: the tests render a run's charts.
+    "test": ["pytest>=7", "ruff>=0.5", "matplotlib"],
 }
 extras["dev"] = extras["test"]
 
@@ -22,4 +23,5 @@ setup(
     # No version pin on torch: installing this package must never pull a new torch.
     install_requires=["torch>=2.1", "megatron-core>=0.13"],
     extras_require=extras,
+    entry_points={"console_scripts": ["twinkle-megatron=twinkle_megatron.cli:main"]},
 )

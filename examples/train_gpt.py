@@ -32,7 +32,6 @@ GPUs (one process per GPU, NCCL, bf16; see examples/slurm/ for several nodes)::
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sys
@@ -150,6 +149,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     forward_backward = get_forward_backward_func()
     global_batch_size = args.micro_batch_size * args.microbatches * ps.get_data_parallel_world_size()
 
+    log_path = os.path.join(args.run_dir, "metrics.jsonl")
+    if not args.resume and dist.get_rank() == 0 and os.path.exists(log_path):
+        os.remove(log_path)  # a fresh run, not one appended to an older run's log
+    dist.barrier()
     # The tracker reports the loss from Megatron's reports; instrument() adds what needs the logits.
     metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size),                  # <- plugin
                                   TokenStatsMetric(vocab_size=args.vocab_size)])
@@ -180,7 +183,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     tracker.close()
     metrics.detach()
     if dist.get_rank() == 0:
-        print_summary(os.path.join(args.run_dir, "metrics.jsonl"))
+        from twinkle_megatron.cli import format_summary, load_run
+
+        print("\n" + format_summary(load_run(os.path.join(args.run_dir, "metrics.jsonl"))), flush=True)
 
 
 # ------------------------------------------------------------------ checkpoints (resume after a requeue)
@@ -213,18 +218,6 @@ def load_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker) -> int
     if dist.get_rank() == 0:
         print(f"resumed from step {state['step']} ({path})", flush=True)
     return int(state["step"])
-
-
-def print_summary(jsonl_path: str) -> None:
-    records = [json.loads(line) for line in open(jsonl_path, encoding="utf-8") if line.strip()]
-    records = [r for r in records if "loss" in r]
-    if not records:
-        return
-    first, last = records[0], records[-1]
-    print(f"\nsummary over steps {first['step']}..{last['step']}  (full log: {jsonl_path})")
-    for key in ("loss", "accuracy", "entropy", "tokens_per_second", "step_time"):
-        if key in first and key in last:
-            print(f"  {key:<18} {first[key]:>12.4f} -> {last[key]:>12.4f}")
 
 
 # ------------------------------------------------------------------ launching
@@ -298,8 +291,6 @@ def main(argv=None) -> None:
 
     import twinkle_megatron  # noqa: F401
 
-    if not args.resume and os.path.exists(os.path.join(args.run_dir, "metrics.jsonl")):
-        os.remove(os.path.join(args.run_dir, "metrics.jsonl"))  # a fresh demo run, not an appended one
     print(f"{world_size} CPU ranks: TP{args.tp} × PP{args.pp}{f' (×{args.vpp} virtual)' if args.vpp else ''} "
           f"× DP{args.dp}, {args.microbatches} microbatches of {args.micro_batch_size}×{args.seq_length} tokens "
           f"per DP rank, logging to {args.run_dir}", flush=True)

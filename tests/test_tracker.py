@@ -134,7 +134,8 @@ def test_state_dict_continues_steps_totals_and_ema():
     resumed.end_step(loss=1.0, tokens=5)
     record = resumed.end_step(loss=1.0, tokens=5)
     assert resumed.last_step == 6 and record["tokens_total"] == 30
-    assert record["loss_ema"] == pytest.approx(0.1 * 1.0 + 0.9 * 3.0)
+    weight = 1 - 0.9 ** 2  # the interval of two steps folded in with the weight of two per-step updates
+    assert record["loss_ema"] == pytest.approx(weight * 1.0 + (1 - weight) * 3.0)
 
 
 # ---------------------------------------------------------------- multi-rank

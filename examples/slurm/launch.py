@@ -123,9 +123,13 @@ def slurm_hostnames(nodelist: str) -> List[str]:
     """``scontrol show hostnames`` when Slurm is installed (it knows every site's syntax), else our parser."""
     scontrol = shutil.which("scontrol")
     if scontrol is not None:
-        result = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True)
-        hosts = result.stdout.split()
-        if result.returncode == 0 and hosts:
+        try:
+            result = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True,
+                                    timeout=30)
+        except (OSError, subprocess.TimeoutExpired):  # a broken or hung Slurm client: parse it ourselves
+            result = None
+        hosts = result.stdout.split() if result is not None and result.returncode == 0 else []
+        if hosts:
             return hosts
     return expand_nodelist(nodelist)
 
@@ -248,8 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="launch.py",
         description="Run (or print, with --dry-run) this node's torchrun command of a Slurm job.",
-        epilog="example: srun --ntasks-per-node=1 python examples/slurm/launch.py --tp 2 --pp 2 "
-               "-- examples/train_gpt.py --steps 1000",
+        epilog="example (one task per node):\n  srun --ntasks-per-node=1 python examples/slurm/launch.py "
+               "--tp 2 --pp 2 -- examples/train_gpt.py --steps 1000",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")

@@ -11,8 +11,9 @@ from .base import Backend
 class WandbBackend(Backend):
     """Logs to a W&B run.
 
-    The run id is ``run_id``, else ``$SLURM_JOB_ID`` (a requeued Slurm job keeps
-    its id), else W&B's own; ``resume="allow"`` continues that run when it
+    The run id is ``run_id``, else ``$WANDB_RUN_ID`` (W&B's own convention, to
+    continue a run in a new job), else ``$SLURM_JOB_ID`` (a requeued Slurm job
+    keeps its id), else W&B's own; ``resume="allow"`` continues that run when it
     exists. W&B only accepts increasing steps, so points of steps the resumed
     run repeats are dropped by W&B (with its warning) unless ``init_kwargs``
     asks for W&B's ``resume_from`` rewind.
@@ -36,7 +37,7 @@ class WandbBackend(Backend):
         import wandb
 
         self._wandb = wandb
-        run_id = self.run_id or os.environ.get("SLURM_JOB_ID")
+        run_id = self.run_id or os.environ.get("WANDB_RUN_ID") or os.environ.get("SLURM_JOB_ID")
         options = {"project": self.project, "name": self.run_name, "config": self.config, "dir": self.directory,
                    "id": run_id, "resume": "allow", **self.init_kwargs}
         self._run = wandb.init(**{key: value for key, value in options.items() if value is not None})

@@ -7,11 +7,14 @@ from typing import Any, Mapping, Optional
 
 
 class ExponentialMovingAverages:
-    """Named EMAs: ``ema ← α·value + (1 − α)·ema``, starting at the first value.
+    """Named per-step EMAs: ``ema ← α·value + (1 − α)·ema``, starting at the first value.
 
-    Updated once per log step with the logged (interval) values, so with
-    ``log_interval=1`` they smooth per step. Non-finite values are skipped:
-    one NaN would otherwise poison the average for good.
+    Global values exist only at log steps (after the sync), so an interval of
+    ``n`` steps is folded in at once with the weight those ``n`` steps would have
+    had, each at the interval's value: ``ema ← w·value + (1 − w)·ema`` with
+    ``w = 1 − (1 − α)^n``. ``α`` means the same whatever ``log_interval`` is.
+    Non-finite values are skipped: one NaN would otherwise poison the average
+    for good.
     """
 
     def __init__(self, alpha: float = 0.1) -> None:
@@ -23,11 +26,12 @@ class ExponentialMovingAverages:
     def get(self, name: str) -> Optional[float]:
         return self.values.get(name)
 
-    def update(self, name: str, value: float) -> Optional[float]:
-        """Fold ``value`` into the EMA called ``name``; returns the new EMA."""
+    def update(self, name: str, value: float, steps: int = 1) -> Optional[float]:
+        """Fold ``value``, the mean of ``steps`` steps, into the EMA called ``name``; returns the new EMA."""
         if math.isfinite(value):
             previous = self.values.get(name)
-            self.values[name] = value if previous is None else self.alpha * value + (1 - self.alpha) * previous
+            weight = 1.0 - (1.0 - self.alpha) ** max(1, steps)
+            self.values[name] = value if previous is None else weight * value + (1 - weight) * previous
         return self.values.get(name)
 
     def state_dict(self) -> dict[str, Any]:

@@ -64,8 +64,9 @@ class MetricsTracker:
             active at a step boundary, else BF16): which peak MFU is against.
         device_name: the device to look the peak up for (default: the current
             CUDA device; none on CPU, so no MFU there).
-        ema_alpha: smoothing factor of the EMAs (``loss_ema``, ``tokens_per_second_ema``,
-            ``mfu_ema``, ``step_time_ema``), folded in once per log step.
+        ema_alpha: per-step smoothing factor of the EMAs (``loss_ema``, ``tokens_per_second_ema``,
+            ``mfu_ema``, ``step_time_ema``); an interval of n steps is folded in at a log
+            step with the weight of n steps, ``1 − (1 − α)^n``.
         spike_threshold: ``loss_spike`` is 1 when loss > (1 + threshold) · loss_ema.
         backends: names (``stdout``, ``jsonl``, ``tensorboard``, ``wandb``,
             ``swanlab``, ``mlflow``) or :class:`Backend` objects; files go under ``log_dir``.
@@ -220,7 +221,7 @@ class MetricsTracker:
             record["loss_spike"] = int(is_loss_spike(record["loss"], self.ema.get("loss"), self.spike_threshold))
         for name in SMOOTHED:
             if name in record:
-                smoothed = self.ema.update(name, record[name])
+                smoothed = self.ema.update(name, record[name], int(record.get("steps", 1)))
                 if smoothed is not None:
                     record[f"{name}_ema"] = smoothed
 

@@ -1,0 +1,185 @@
+"""The Slurm recipe: the torchrun command built from fake SLURM_* variables, nodelists, layouts, the sbatch script."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLURM_DIR = os.path.join(ROOT, "examples", "slurm")
+SBATCH = os.path.join(SLURM_DIR, "train.sbatch")
+
+
+def _load_launcher():
+    """examples/slurm/launch.py is a script, not a package module: load it from its path."""
+    spec = importlib.util.spec_from_file_location("slurm_launch", os.path.join(SLURM_DIR, "launch.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+launch = _load_launcher()
+
+# What Slurm sets on the second node of `sbatch --job-name=gpt --nodes=2 --gpus-per-node=4` (job 4242).
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "gpt", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_GPUS_ON_NODE": "4", "SLURM_RESTART_COUNT": "0",
+}
+EXPECTED_2x4 = ("torchrun --nnodes=2 --nproc-per-node=4 --node-rank=1 --rdzv-backend=c10d "
+                "--rdzv-endpoint=node01:24242 --rdzv-id=4242 examples/train_gpt.py --tp 2 --pp 2 "
+                "--run-name gpt-4242 --log-dir runs --steps 100 --microbatches 8")
+
+
+@pytest.fixture(autouse=True)
+def no_scontrol(monkeypatch):
+    """Parse nodelists here even on a machine with Slurm installed, so the expected commands are exact."""
+    real_which = shutil.which
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None if name == "scontrol" else real_which(name))
+
+
+def job(**overrides):
+    return launch.SlurmJob.from_env({**SLURM_ENV, **overrides})
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_command_for_2_nodes_of_4_gpus(capsys):
+    argv = ["--dry-run", "--tp", "2", "--pp", "2", "--", "examples/train_gpt.py", "--steps", "100",
+            "--microbatches", "8"]
+    assert launch.main(argv, env=SLURM_ENV) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == EXPECTED_2x4
+    assert captured.err == ""  # the layout summary comes from node 0 only
+
+
+def test_node_zero_prints_the_layout_once(capsys):
+    assert launch.main(["--dry-run", "--tp", "2", "--pp", "2", "train.py"], env={**SLURM_ENV, "SLURM_NODEID": "0"}) == 0
+    captured = capsys.readouterr()
+    assert "--node-rank=0" in captured.out
+    assert "2 nodes × 4 GPUs = 8 ranks, TP2 × PP2 × CP1 × DP2; rendezvous node01:24242" in captured.err
+
+
+def test_restart_resumes_and_options_are_passed_on():
+    requeued = job(SLURM_RESTART_COUNT="2", SLURM_NNODES="4")  # 16 GPUs for TP4 × PP2 × CP2
+    command = launch.build_command(requeued, launch.Layout(tp=4, pp=2, vpp=3, cp=2), "t.py", ["--steps", "5"],
+                                   run_name="mine", log_dir="/shared/runs")
+    assert command[8:] == ["--tp", "4", "--pp", "2", "--vpp", "3", "--cp", "2", "--run-name", "mine",
+                           "--log-dir", "/shared/runs", "--resume", "--steps", "5"]
+    first_start = launch.build_command(job(), launch.Layout(), "t.py")
+    assert "--resume" not in first_start and "--vpp" not in first_start and "--cp" not in first_start
+    assert "--resume" in launch.build_command(job(), launch.Layout(), "t.py", resume=True)
+
+
+def test_overrides_and_other_slurm_variables():
+    env = {**SLURM_ENV, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "6000", "GPUS_PER_NODE": "8"}
+    overridden = launch.SlurmJob.from_env(env)
+    assert (overridden.master_addr, overridden.master_port, overridden.gpus_per_node) == ("10.0.0.7", 6000, 8)
+    del env["GPUS_PER_NODE"], env["SLURM_GPUS_ON_NODE"]
+    assert launch.SlurmJob.from_env({**env, "SLURM_GPUS_PER_NODE": "a100:4"}).gpus_per_node == 4
+    older = {"SLURM_JOBID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODELIST": "gpu7", "SLURM_GPUS_ON_NODE": "2"}
+    assert launch.SlurmJob.from_env(older) == launch.SlurmJob("7", "job", 1, 0, 2, "gpu7", 20007, 0)
+    assert launch.job_port("4242") == launch.job_port("4242") == 24242
+    assert launch.PORT_BASE <= launch.job_port("12345_6") < launch.PORT_BASE + launch.PORT_SPAN
+
+
+# ------------------------------------------------------------------ nodelists
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node01", ["node01"]),
+    ("node[01-02]", ["node01", "node02"]),
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("gpu[8-10]", ["gpu8", "gpu9", "gpu10"]),
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]),  # zero padding from the lower bound
+    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("dgx-h100-[001-002],login", ["dgx-h100-001", "dgx-h100-002", "login"]),
+])
+def test_nodelists(nodelist, hosts):
+    assert launch.expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist, message", [
+    ("", "empty nodelist"),
+    ("node[01-02", "unbalanced brackets"),
+    ("node[a-b]", "cannot read the range 'a-b'"),
+    ("node[05-02]", "runs backwards"),
+])
+def test_bad_nodelists(nodelist, message):
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.expand_nodelist(nodelist)
+
+
+# ------------------------------------------------------------------ what cannot be launched
+
+
+@pytest.mark.parametrize("layout, message", [
+    (dict(tp=3), r"world size 8 \(2 nodes × 4 GPUs\) is not divisible by TP×PP×CP = 3×1×1 = 3"),
+    (dict(tp=2, pp=2, cp=4), r"TP×PP×CP = 2×2×4 = 16"),
+    (dict(tp=0), "TP must be at least 1"),
+    (dict(pp=1, vpp=2), r"need PP >= 2"),
+])
+def test_bad_layouts(layout, message):
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.build_command(job(), launch.Layout(**layout), "t.py")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({key: value for key, value in SLURM_ENV.items() if key != "SLURM_JOB_ID"}, "SLURM_JOB_ID is not set"),
+    ({key: value for key, value in SLURM_ENV.items() if key != "SLURM_GPUS_ON_NODE"}, "set GPUS_PER_NODE"),
+    ({**SLURM_ENV, "SLURM_NODEID": "2"}, "SLURM_NODEID=2 is not a node of a 2-node job"),
+    ({**SLURM_ENV, "SLURM_NNODES": "two"}, "SLURM_NNODES='two' is not an integer"),
+])
+def test_bad_environments(env, message):
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.SlurmJob.from_env(env)
+
+
+def test_errors_exit_2_with_the_reason(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--dry-run", "--tp", "3", "train.py"], env=SLURM_ENV)
+    assert exit_.value.code == 2
+    assert "error: world size 8 (2 nodes × 4 GPUs) is not divisible" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the launcher checks the layout; the script must not change it behind its back
+        launch.main(["--dry-run", "train.py", "--tp=2"], env=SLURM_ENV)
+    assert "pass ['--tp=2'] as launcher options" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the sbatch script
+
+
+def test_sbatch_script_is_valid_bash():
+    result = subprocess.run(["bash", "-n", SBATCH], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    with open(SBATCH) as file:
+        text = file.read()
+    assert "#SBATCH --requeue" in text and "trap " in text
+
+
+def test_sbatch_dry_run_end_to_end(tmp_path):
+    """The whole script with stand-ins for srun and scontrol: knobs → launcher → the torchrun line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # srun: drop its options, run the task once (as node 1 would). scontrol: names of its own, to see that
+    # the launcher asks Slurm first when Slurm is there.
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a\\ngpu-b\\n"\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable, "DRY_RUN": "1",
+           "TP": "2", "PP": "2", "STEPS": "100", "MICROBATCHES": "8", "BACKENDS": "stdout jsonl wandb",
+           **SLURM_ENV, "SLURM_RESTART_COUNT": "1"}
+    result = subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    torchrun = [line for line in result.stdout.splitlines() if line.startswith("torchrun")]
+    assert torchrun == ["torchrun --nnodes=2 --nproc-per-node=4 --node-rank=1 --rdzv-backend=c10d "
+                        "--rdzv-endpoint=gpu-a:24242 --rdzv-id=4242 examples/train_gpt.py --tp 2 --pp 2 "
+                        "--run-name gpt-4242 --log-dir runs --resume --steps 100 --micro-batch-size 4 "
+                        "--microbatches 8 --log-interval 10 --save-interval 100 --backends stdout jsonl wandb"]

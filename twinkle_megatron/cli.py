@@ -1,0 +1,259 @@
+"""``twinkle-megatron``: look at a run from its JSONL log (``plot``, ``summary``).
+
+::
+
+    twinkle-megatron summary runs/demo/metrics.jsonl       # first/last/min/max/mean of every key
+    twinkle-megatron plot runs/demo/metrics.jsonl -o runs/demo/plots
+
+A run directory works too (its ``metrics.jsonl`` is read). The log is read
+strictly: a missing or empty file, a line that is not JSON or a record without
+``"step"`` stops the command with ``error: ...`` and exit status 2, naming the
+line, because a chart of half a log looks right and is wrong. The one exception
+is a half-written *last* line (no newline yet: the run is still writing it),
+which is skipped with a warning so a live run can be watched. Non-finite values
+(written as ``null``) are kept as NaN: gaps in the charts, counted apart in the
+summary. Values that are not numbers are ignored.
+
+Exit status: 0 on success, 2 for a bad command line or log, 1 when plotting
+lacks matplotlib (``pip install 'twinkle-megatron[plot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, TextIO
+
+PROG = "twinkle-megatron"
+
+# Summary rows in reading order; other keys follow alphabetically, eval/* last.
+KEY_ORDER = (
+    "loss", "loss_ema", "loss_spike", "accuracy", "logprob", "entropy", "grad_norm", "learning_rate",
+    "tokens_per_second", "tokens_per_second_ema", "tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "mfu_ema",
+    "step_time", "step_time_min", "step_time_ema", "slowest_rank",
+)
+
+
+class RunLogError(ValueError):
+    """A run log that cannot be read; the message names the file and the line."""
+
+
+@dataclass
+class RunLog:
+    """The records of a JSONL run log, sorted by step (file order among equal steps).
+
+    Each record maps ``"step"`` to an int and every other key to a number
+    (``NaN`` where the log has ``null``).
+    """
+
+    path: str
+    records: List[Dict[str, float]]
+    warnings: List[str] = field(default_factory=list)
+
+    @cached_property
+    def keys(self) -> List[str]:
+        """Every key but ``step``, in :data:`KEY_ORDER`, then alphabetically, ``eval/*`` last."""
+        found = {key for record in self.records for key in record if key != "step"}
+        rank = {key: index for index, key in enumerate(KEY_ORDER)}
+        return sorted(found, key=lambda key: (key.startswith("eval/"), rank.get(key, len(rank)), key))
+
+    def series(self, key: str) -> tuple[List[int], List[float]]:
+        """``(steps, values)`` of the records that have ``key`` (values may be NaN)."""
+        pairs = [(record["step"], record[key]) for record in self.records if key in record]
+        return [step for step, _ in pairs], [value for _, value in pairs]
+
+
+def load_run(path: str) -> RunLog:
+    """Read a JSONL run log (or ``DIR/metrics.jsonl`` for a directory) strictly; :class:`RunLogError` if bad.
+
+    The tracker's own reader (``logging.jsonl.read_jsonl``) skips lines that do
+    not parse, which is right when a resumed run rewrites its log, but a
+    command a person runs to look at a log must say what is wrong and where.
+    """
+    if os.path.isdir(path):
+        candidate = os.path.join(path, "metrics.jsonl")
+        if not os.path.isfile(candidate):
+            raise RunLogError(f"{path} is a directory without a metrics.jsonl; give the JSONL file")
+        path = candidate
+    if not os.path.exists(path):
+        raise RunLogError(f"{path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as file:
+            lines = file.readlines()
+    except UnicodeDecodeError:
+        raise RunLogError(f"{path} is not a UTF-8 text file (a JSONL run log is)") from None
+    except OSError as error:
+        raise RunLogError(f"cannot read {path}: {error.strerror or error}") from None
+    log = RunLog(path=path, records=[])
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not line.endswith("\n"):
+                log.warnings.append(f"{path}, line {number}: incomplete last line skipped "
+                                    "(the run may still be writing it)")
+                continue
+            raise RunLogError(f"{path}, line {number}: not valid JSON ({error.msg}, column {error.colno})") from None
+        log.records.append(_record(value, path, number))
+    if not log.records:
+        raise RunLogError(f"{path} is empty: it holds no records")
+    log.records.sort(key=lambda record: record["step"])  # stable: file order among equal steps
+    return log
+
+
+def _record(value: Any, path: str, number: int) -> Dict[str, float]:
+    """One line's object as ``{"step": int, key: number}``; non-numbers are dropped."""
+    where = f"{path}, line {number}"
+    if not isinstance(value, dict):
+        raise RunLogError(f"{where}: expected a JSON object like {{\"step\": 1, \"loss\": 2.3}}, "
+                          f"got {type(value).__name__}")
+    if "step" not in value:
+        raise RunLogError(f"{where}: the record has no \"step\" (keys: {', '.join(sorted(value)) or 'none'})")
+    step = value["step"]
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not float(step).is_integer():
+        raise RunLogError(f"{where}: \"step\" must be an integer, got {step!r}")
+    record: Dict[str, float] = {"step": int(step)}
+    for key, item in value.items():
+        if key == "step":
+            continue
+        if item is None:  # the JSONL backend writes non-finite numbers as null
+            record[key] = math.nan
+        elif isinstance(item, bool):
+            record[key] = int(item)
+        elif isinstance(item, (int, float)):
+            record[key] = item
+    return record
+
+
+# ------------------------------------------------------------------ summary
+
+
+def format_summary(log: RunLog) -> str:
+    """A fixed-width table: one row per key with the count, first, last, min, max and mean of its finite values."""
+    steps = [record["step"] for record in log.records]
+    evals = sum(1 for record in log.records if any(key.startswith("eval/") for key in record))
+    lines = [f"run: {log.path}",
+             f"records: {len(log.records)} (steps {steps[0]}..{steps[-1]}"
+             + (f"; {evals} with eval/* keys" if evals else "") + ")", ""]
+    rows = []
+    nonfinite_seen = False
+    for key in log.keys:
+        values = log.series(key)[1]
+        finite = [value for value in values if math.isfinite(value)]
+        nonfinite = len(values) - len(finite)
+        nonfinite_seen |= nonfinite > 0
+        if finite:
+            stats = [finite[0], finite[-1], min(finite), max(finite), math.fsum(finite) / len(finite)]
+            cells = [_number(value) for value in stats]
+        else:
+            cells = ["-"] * 5
+        rows.append([key, str(len(finite)), str(nonfinite), *cells])
+    header = ["key", "n", "non-finite", "first", "last", "min", "max", "mean"]
+    if not nonfinite_seen:  # a column of zeros only adds width
+        header.pop(2)
+        rows = [row[:2] + row[3:] for row in rows]
+    widths = [max(len(row[column]) for row in [header, *rows]) for column in range(len(header))]
+    for row in [header, *rows]:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    """5 significant digits; whole numbers and large rates (tokens/s) without an exponent."""
+    if abs(value) >= 1e15:
+        return f"{value:.5g}"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.0f}" if abs(value) >= 1e5 else f"{value:.5g}"
+
+
+# ------------------------------------------------------------------ command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``twinkle-megatron`` argument parser (subcommands ``plot`` and ``summary``)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Charts and summaries of a twinkle-megatron run from its JSONL log "
+                               "(LOG_DIR/RUN_NAME/metrics.jsonl).")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    plot = commands.add_parser(
+        "plot", help="write PNG charts of a run",
+        description="Write PNG charts of a run: overview.png (every panel) and one file per panel "
+                    "(loss, accuracy, token statistics, throughput, MFU, memory, step time with the "
+                    "straggler band, optimizer). Panels whose keys the log lacks are skipped.")
+    plot.add_argument("run", metavar="RUN.jsonl", help="the run log (or its run directory)")
+    plot.add_argument("-o", "--output", metavar="DIR", default=None,
+                      help="where the PNGs go (default: a 'plots' directory next to the log)")
+    plot.add_argument("--keys", nargs="+", metavar="KEY", default=(),
+                      help="more keys to chart, one panel each (e.g. metrics of your own collection)")
+    summary = commands.add_parser(
+        "summary", help="print a table of a run's metrics",
+        description="Print the number of records, the step range, and the count, first, last, min, max "
+                    "and mean of every key of a run log.")
+    summary.add_argument("run", metavar="RUN.jsonl", help="the run log (or its run directory)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status (errors exit through ``SystemExit``)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        log = load_run(args.run)
+    except RunLogError as error:
+        _fail(str(error), 2)
+    for warning in log.warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
+    if args.command == "summary":
+        return _print(format_summary(log), sys.stdout)
+    return _plot(log, args)
+
+
+def _plot(log: RunLog, args: argparse.Namespace) -> int:
+    from .plots import MissingMatplotlib, plot_run
+
+    unknown = [key for key in args.keys if key not in log.keys]
+    if unknown:
+        _fail(f"--keys {' '.join(unknown)}: not in {log.path} (it has: {', '.join(log.keys)})", 2)
+    output = args.output or os.path.join(os.path.dirname(os.path.abspath(log.path)), "plots")
+    try:
+        written, skipped = plot_run(log, output, extra_keys=args.keys)
+    except MissingMatplotlib:
+        _fail("plotting needs matplotlib, which is not installed: pip install 'twinkle-megatron[plot]'", 1)
+    except OSError as error:
+        _fail(f"cannot write the charts to {output}: {error.strerror or error}", 2)
+    if not written:
+        _fail(f"nothing to plot: {log.path} has none of the charted keys (it has: {', '.join(log.keys)}); "
+              "chart others with --keys", 2)
+    lines = [f"wrote {len(written)} charts to {output}:"]
+    lines += [f"  {os.path.basename(path)}" for path in written]
+    if skipped:
+        lines.append(f"skipped (keys not in the log): {', '.join(skipped)}")
+    return _print("\n".join(lines), sys.stdout)
+
+
+def _fail(message: str, status: int) -> NoReturn:
+    """argparse's error format without the usage line: the command was right, the data or setup was not."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(status)
+
+
+def _print(text: str, stream: TextIO) -> int:
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:  # `twinkle-megatron summary run.jsonl | head`: the reader left, not an error
+        # Point stdout at /dev/null so the flush at interpreter exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""PNG charts of a run log (``twinkle-megatron plot``).
+
+Each panel is a small function drawing on one matplotlib ``Axes``; the same
+function draws the panel's own PNG and its cell in ``overview.png``. A panel
+is drawn only when the log has at least one of its keys (no GPU: no memory
+panel; no peak FLOP/s known: throughput without MFU).
+
+matplotlib is an optional extra (``pip install 'twinkle-megatron[plot]'``) and
+is imported only here, when a chart is drawn. Figures are built with
+``matplotlib.figure.Figure`` rather than ``pyplot``: that renders PNGs with the
+Agg backend directly, needs no display, and leaves the caller's pyplot state
+and backend choice alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
+
+if TYPE_CHECKING:
+    from .cli import RunLog
+
+MARKERS_UP_TO = 40  # points per series; fewer get markers, so a short run is more than a bare line
+
+
+class MissingMatplotlib(ImportError):
+    """Plotting was asked for and matplotlib is not installed."""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One chart: ``draw(axes, log)`` is called when the log has any of ``keys``."""
+
+    name: str  # file name: NAME.png
+    title: Union[str, Callable[[RunLog], str]]  # or a function of the log, for a panel that adapts
+    keys: Tuple[str, ...]
+    draw: Callable[[Any, RunLog], None]
+
+
+# ------------------------------------------------------------------ drawing helpers
+
+
+def _line(axes: Any, log: RunLog, key: str, label: str, **style: Any) -> Optional[Any]:
+    """Plot ``key`` over steps (NaN values leave gaps); ``None`` when the log has no finite value of it."""
+    steps, values = log.series(key)
+    if not any(math.isfinite(value) for value in values):
+        return None
+    if len(steps) <= MARKERS_UP_TO:
+        style = {"marker": "o", "markersize": 3, **style}
+    (handle,) = axes.plot(steps, values, label=label, **style)
+    return handle
+
+
+def _finish(axes: Any, handles: Sequence[Optional[Any]], ylabel: str, percent: bool = False) -> None:
+    """Axis labels, grid, integer steps and one legend for the handles of both y axes."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.grid(True, alpha=0.3)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if percent:
+        axes.yaxis.set_major_formatter(PercentFormatter(1.0))
+    shown = [handle for handle in handles if handle is not None]
+    if shown:
+        axes.legend(shown, [handle.get_label() for handle in shown], loc="best", fontsize="small", framealpha=0.9)
+
+
+def _twin(axes: Any, ylabel: str, color: str) -> Any:
+    """A second y axis on the right for a series of another unit, coloured like it.
+
+    The main axes are raised above it: their curves are the panel's subject,
+    and their legend (placed where their curves are not) must not disappear
+    under the second axis' series.
+    """
+    right = axes.twinx()
+    axes.set_zorder(right.get_zorder() + 1)
+    axes.patch.set_visible(False)
+    right.set_ylabel(ylabel, color=color)
+    right.tick_params(axis="y", colors=color)
+    return right
+
+
+# ------------------------------------------------------------------ panels
+
+
+def _draw_loss(axes: Any, log: RunLog) -> None:
+    handles = [_line(axes, log, "loss", "loss", color="C0", alpha=0.45, linewidth=1),
+               _line(axes, log, "loss_ema", "loss (EMA)", color="C0", linewidth=2.2),
+               _line(axes, log, "eval/loss", "eval loss", color="C3", linewidth=1.5)]
+    steps, spikes = log.series("loss_spike")
+    losses = dict(zip(*log.series("loss")))
+    spiked = [step for step, spike in zip(steps, spikes) if spike == 1 and step in losses]
+    if spiked:  # where the loss jumped above its EMA by more than the tracker's threshold
+        handles.append(axes.scatter(spiked, [losses[step] for step in spiked], marker="x", color="C3", s=40,
+                                    zorder=3, label="loss spike"))
+    _finish(axes, handles, "loss")
+
+
+def _draw_accuracy(axes: Any, log: RunLog) -> None:
+    handles = [_line(axes, log, "accuracy", "token accuracy", color="C2", linewidth=1.8),
+               _line(axes, log, "eval/accuracy", "eval accuracy", color="C3", linewidth=1.5)]
+    _finish(axes, handles, "accuracy", percent=True)
+
+
+def _draw_token_stats(axes: Any, log: RunLog) -> None:
+    handles = [_line(axes, log, "entropy", "entropy of the prediction", color="C4", linewidth=1.8),
+               _line(axes, log, "logprob", "log-probability of the label", color="C1", linewidth=1.8)]
+    axes.axhline(0.0, color="black", linewidth=0.6, alpha=0.5)
+    _finish(axes, handles, "nats per token")
+
+
+def _draw_throughput(axes: Any, log: RunLog) -> None:
+    handles = [_line(axes, log, "tokens_per_second", "tokens/s", color="C0", alpha=0.45, linewidth=1),
+               _line(axes, log, "tokens_per_second_ema", "tokens/s (EMA)", color="C0", linewidth=2.2)]
+    _second_scale(axes, log, "tokens_per_second", "tokens_per_second_per_gpu", "tokens/s per GPU")
+    axes.set_ylim(bottom=0)
+    _finish(axes, handles, "tokens/s (all GPUs)")
+
+
+def _draw_mfu(axes: Any, log: RunLog) -> None:
+    """MFU needs a known peak FLOP/s (GPUs); without it the achieved TFLOP/s are charted alone."""
+    if "mfu" in log.keys or "mfu_ema" in log.keys:
+        handles = [_line(axes, log, "mfu", "MFU", color="C3", alpha=0.45, linewidth=1),
+                   _line(axes, log, "mfu_ema", "MFU (EMA)", color="C3", linewidth=2.2)]
+        _second_scale(axes, log, "mfu", "tflops_per_gpu", "TFLOP/s per GPU")
+        axes.set_ylim(bottom=0)
+        _finish(axes, handles, "model FLOPs utilization", percent=True)
+    else:
+        handles = [_line(axes, log, "tflops_per_gpu", "TFLOP/s per GPU", color="C3", linewidth=1.5)]
+        axes.set_ylim(bottom=0)
+        _finish(axes, handles, "TFLOP/s per GPU")
+
+
+def _mfu_title(log: RunLog) -> str:
+    return "Model FLOPs utilization" if "mfu" in log.keys else "TFLOP/s per GPU (no known peak, so no MFU)"
+
+
+def _second_scale(axes: Any, log: RunLog, key: str, other: str, label: str) -> None:
+    """A right-hand axis reading the same curve in ``other``'s unit, when ``other`` is proportional to ``key``.
+
+    tokens/s per GPU = tokens/s / GPUs and TFLOP/s = MFU · peak: a second line
+    would lie exactly on the first, so a second scale says the same more clearly.
+    """
+    pairs = dict(zip(*log.series(key)))
+    ratios = [value / pairs[step] for step, value in zip(*log.series(other))
+              if step in pairs and math.isfinite(value) and math.isfinite(pairs[step]) and pairs[step] != 0]
+    if not ratios:
+        return
+    factor = sorted(ratios)[len(ratios) // 2]  # the median: constant anyway, robust to a stray record
+    if factor <= 0:
+        return
+    right = axes.secondary_yaxis("right", functions=(lambda x: x * factor, lambda y: y / factor))
+    right.set_ylabel(label)
+
+
+def _draw_memory(axes: Any, log: RunLog) -> None:
+    handles = [_line(axes, log, "memory/allocated_gib", "allocated", color="C0", linewidth=1.8),
+               _line(axes, log, "memory/peak_allocated_gib", "peak allocated", color="C0", linestyle="--"),
+               _line(axes, log, "memory/reserved_gib", "reserved", color="C1", linewidth=1.8),
+               _line(axes, log, "memory/peak_reserved_gib", "peak reserved", color="C1", linestyle="--"),
+               _line(axes, log, "memory/total_gib", "device capacity", color="black", linestyle=":")]
+    _finish(axes, handles, "GiB (max over ranks)")
+
+
+def _draw_step_time(axes: Any, log: RunLog) -> None:
+    """The band spans the fastest to the slowest rank: a wide band means a straggler holds everyone up."""
+    handles: List[Optional[Any]] = []
+    steps, slowest = log.series("step_time")
+    fastest = dict(zip(*log.series("step_time_min")))
+    banded = [(step, fastest[step], value) for step, value in zip(steps, slowest) if step in fastest]
+    if banded:
+        handles.append(axes.fill_between([s for s, _, _ in banded], [low for _, low, _ in banded],
+                                         [high for _, _, high in banded], color="C0", alpha=0.2, linewidth=0,
+                                         label="fastest..slowest rank"))
+    handles += [_line(axes, log, "step_time", "step time (slowest rank)", color="C0", linewidth=1.2),
+                _line(axes, log, "step_time_ema", "step time (EMA)", color="navy", linewidth=2, alpha=0.8)]
+    rank_steps, ranks = log.series("slowest_rank")
+    top_rank = max([r for r in ranks if math.isfinite(r)], default=0)
+    if top_rank > 0:  # always rank 0 (one process, say): nothing to point at
+        from matplotlib.ticker import MaxNLocator
+
+        right = _twin(axes, "slowest rank", "C3")
+        handles.append(right.scatter(rank_steps, ranks, color="C3", marker="D", s=14, label="slowest rank"))
+        right.yaxis.set_major_locator(MaxNLocator(integer=True))
+        right.set_ylim(-0.5, top_rank + 0.5)
+    axes.set_ylim(bottom=0)
+    _finish(axes, handles, "seconds per step")
+
+
+def _draw_optimizer(axes: Any, log: RunLog) -> None:
+    from matplotlib.ticker import FormatStrFormatter
+
+    handles = [_line(axes, log, "grad_norm", "gradient norm", color="C0", linewidth=1.5)]
+    if "learning_rate" in log.keys:
+        right = _twin(axes, "learning rate", "C1")
+        handles.append(_line(right, log, "learning_rate", "learning rate", color="C1", linewidth=1.5))
+        right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # no "1e-4" offset text over the legend
+    _finish(axes, handles, "gradient norm")
+
+
+PANELS: Tuple[Panel, ...] = (
+    Panel("loss", "Loss", ("loss", "loss_ema", "eval/loss"), _draw_loss),
+    Panel("accuracy", "Token accuracy", ("accuracy", "eval/accuracy"), _draw_accuracy),
+    Panel("token_stats", "Entropy and label log-probability", ("entropy", "logprob"), _draw_token_stats),
+    Panel("throughput", "Throughput", ("tokens_per_second", "tokens_per_second_ema"), _draw_throughput),
+    Panel("mfu", _mfu_title, ("mfu", "mfu_ema", "tflops_per_gpu"), _draw_mfu),
+    Panel("memory", "Device memory", ("memory/allocated_gib", "memory/peak_allocated_gib", "memory/reserved_gib",
+                                      "memory/peak_reserved_gib"), _draw_memory),
+    Panel("step_time", "Step time and stragglers", ("step_time", "step_time_ema"), _draw_step_time),
+    Panel("optimizer", "Gradient norm and learning rate", ("grad_norm", "learning_rate"), _draw_optimizer),
+)
+
+
+def key_panel(key: str) -> Panel:
+    """A panel of one key (``--keys``), with its ``eval/`` counterpart when the log has one."""
+    def draw(axes: Any, log: RunLog) -> None:
+        handles = [_line(axes, log, key, key, color="C0", linewidth=1.5)]
+        if not key.startswith("eval/"):
+            handles.append(_line(axes, log, f"eval/{key}", f"eval/{key}", color="C3", linewidth=1.5))
+        _finish(axes, handles, key)
+
+    return Panel(re.sub(r"[^A-Za-z0-9_.-]+", "_", key), key, (key,), draw)
+
+
+# ------------------------------------------------------------------ figures
+
+
+def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
+    """Write ``overview.png`` and one ``<panel>.png`` per panel with data to ``output_dir``.
+
+    Returns the paths written (overview first) and the names of the panels
+    skipped because the log has none of their keys. Raises
+    :class:`MissingMatplotlib` when matplotlib is not installed.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise MissingMatplotlib("matplotlib is not installed") from error
+
+    panels = [*PANELS, *(key_panel(key) for key in extra_keys)]
+    present = set(log.keys)
+    drawn = [panel for panel in panels if _has_data(log, panel, present)]
+    skipped = [panel.name for panel in panels if panel not in drawn]
+    if not drawn:
+        return [], skipped
+    os.makedirs(output_dir, exist_ok=True)
+    steps = [record["step"] for record in log.records]
+    run_title = f"{os.path.basename(os.path.dirname(os.path.abspath(log.path))) or log.path}: " \
+                f"steps {steps[0]}..{steps[-1]}, {len(log.records)} records"
+
+    written = []
+    columns = 1 if len(drawn) == 1 else 2
+    rows = math.ceil(len(drawn) / columns)
+    overview = Figure(figsize=(7.5 * columns, 3.8 * rows), dpi=100, layout="constrained")
+    overview.suptitle(run_title, fontsize="large")
+    for index, panel in enumerate(drawn):
+        axes = overview.add_subplot(rows, columns, index + 1)
+        axes.set_title(_title(panel, log))
+        panel.draw(axes, log)
+    written.append(_save(overview, os.path.join(output_dir, "overview.png")))
+
+    for panel in drawn:
+        figure = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
+        axes = figure.add_subplot()
+        axes.set_title(f"{_title(panel, log)} ({run_title})", fontsize="medium")
+        panel.draw(axes, log)
+        written.append(_save(figure, os.path.join(output_dir, f"{panel.name}.png")))
+    return written, skipped
+
+
+def _title(panel: Panel, log: RunLog) -> str:
+    return panel.title(log) if callable(panel.title) else panel.title
+
+
+def _has_data(log: RunLog, panel: Panel, present: set) -> bool:
+    """Any of the panel's keys with at least one finite value (an all-null key draws nothing)."""
+    return any(key in present and any(math.isfinite(v) for v in log.series(key)[1]) for key in panel.keys)
+
+
+def _save(figure: Any, path: str) -> str:
+    figure.savefig(path, format="png")
+    return path
