@@ -79,6 +79,18 @@ def counting_batch(args: argparse.Namespace, generator: torch.Generator) -> dict
             "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
 
 
+def this_cp_rank(tensor: torch.Tensor) -> torch.Tensor:
+    """This context-parallel rank's part of ``[b, s]``: chunks ``i`` and ``2·cp−1−i`` of ``2·cp``
+    (Megatron-LM's ``get_batch_on_this_cp_rank``, balancing causal attention work)."""
+    from megatron.core import parallel_state as ps
+
+    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    if cp == 1:
+        return tensor
+    chunks = tensor.chunk(2 * cp, dim=1)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
+
+
 def transformer_layer_spec(use_te: bool):
     """Transformer Engine layers on GPUs when TE imports, Megatron's local layers otherwise."""
     if use_te:
@@ -105,7 +117,7 @@ def build_model(args: argparse.Namespace, device: torch.device):
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden_size, num_attention_heads=args.heads,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=args.vpp, use_cpu_initialization=cpu,
+        virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp, use_cpu_initialization=cpu,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=not cpu,
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
         batch_p2p_comm=args.vpp is None,  # the interleaved schedule with batched p2p is wrong on gloo
@@ -140,7 +152,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     from twinkle_megatron.megatron import instrument
 
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                 virtual_pipeline_model_parallel_size=args.vpp)
+                                 virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp)
     chunks, config = build_model(args, device)
     optimizer = get_megatron_optimizer(
         # Megatron's gradient clipping asserts CUDA tensors: no clipping on CPU.
@@ -167,7 +179,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     for step in range(first_step, args.steps + 1):
         with tracker.step(step) as values:                                               # <- plugin
             microbatches = [counting_batch(args, generator) for _ in range(args.microbatches)]
-            microbatches = [{k: v.to(device) for k, v in mb.items()} for mb in microbatches]
+            microbatches = [{k: this_cp_rank(v).to(device) for k, v in mb.items()} for mb in microbatches]
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
@@ -242,6 +254,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dp", type=int, default=2, help="data-parallel size (CPU launch; torchrun: world / TP·PP)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism (needs Transformer Engine attention)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-interval", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4)
@@ -286,6 +299,9 @@ def main(argv=None) -> None:
         dist.destroy_process_group()
         return
 
+    if args.cp > 1:
+        raise SystemExit("--cp > 1 needs Transformer Engine's attention (megatron-core's local attention has no "
+                         "context parallelism): run on GPUs under torchrun")
     world_size = args.tp * args.pp * args.dp
     import megatron.core.parallel_state  # noqa: F401  (import once; forked ranks inherit it)
 
