@@ -27,6 +27,8 @@ def test_demo_trains_and_logs_the_plugin_metrics_then_resumes(tmp_path):
         for key in ("loss", "accuracy", "entropy", "logprob", "tokens_per_second", "step_time", "slowest_rank"):
             assert key in record, key
     assert records[0]["total_tokens"] == 4 * 4 * 31  # microbatches × micro batch × masked sequence
+    assert records[-1]["loss"] < records[0]["loss"] and records[-1]["accuracy"] > records[0]["accuracy"], \
+        "the model learns"
     # A requeued job: continue from the step-4 checkpoint to step 6, no step logged twice.
     records = _run(tmp_path, "--steps", "6", "--save-interval", "2", "--resume")
     assert [r["step"] for r in records] == [1, 2, 4, 6]
