@@ -151,8 +151,20 @@ def test_whole_batch_outputs_concatenate_microbatch_inputs():
     assert len(pairs) == 1 and pairs[0][0]["labels"].shape == (3, 3)
     with pytest.raises(ValueError, match="mix per-microbatch lists"):
         microbatches(inputs, {"logits": torch.zeros(3, 3, 5), "loss": [1.0, 2.0]}, ("logits", "loss"))
+    ragged = microbatches([{"labels": torch.ones(1, 3)}, {"labels": torch.ones(1, 4)}], {"loss": 1.0}, ("loss",))
     with pytest.raises(ValueError, match="differ beyond the batch dimension"):
-        microbatches([{"labels": torch.ones(1, 3)}, {"labels": torch.ones(1, 4)}], {"loss": 1.0}, ("loss",))
+        ragged[0][0]["labels"]  # concatenated only when read
+
+
+def test_whole_batch_loss_over_microbatches_padded_to_different_lengths():
+    inputs = [{"input_ids": torch.ones(2, 5), "labels": torch.ones(2, 5, dtype=torch.long)},
+              {"input_ids": torch.ones(2, 7), "labels": torch.full((2, 7), -100)}]
+    mean = LossMetric()
+    mean.accumulate(inputs, {"loss": torch.tensor(0.5)})
+    assert mean.calculate() == {"loss": 0.5}
+    per_token = LossMetric(loss_reduction="sum")
+    per_token.accumulate(inputs, {"loss": torch.tensor(5.0)})  # 10 real tokens, counted per microbatch
+    assert per_token.calculate() == {"loss": 0.5}
 
 
 class RankRecords(Metric):

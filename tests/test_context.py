@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from distributed import Layout, run_distributed
 
-from twinkle_megatron import LossMetric, ParallelContext
+from twinkle_megatron import Accuracy, LossMetric, MetricCollection, ParallelContext
 
 
 def _from_megatron() -> tuple:
@@ -56,16 +56,16 @@ def test_from_torch_device_mesh_counts_tp_duplicates_once():
 
 
 class TwinkleStyleMesh:
-    """What Twinkle's DeviceMesh exposes (duck-typed; Twinkle is not a dependency): dp × pp × tp."""
+    """What Twinkle's DeviceMesh exposes (duck-typed; Twinkle is not a dependency): dp × fsdp × pp × tp."""
 
-    def __init__(self, dp: int, pp: int, tp: int):
+    def __init__(self, dp: int, pp: int, tp: int, fsdp: int = 1):
         import numpy as np
 
-        self.mesh = np.arange(dp * pp * tp).reshape(dp, pp, tp)
-        self.mesh_dim_names = ("dp", "pp", "tp")
+        self.mesh = np.arange(dp * fsdp * pp * tp).reshape(dp, fsdp, pp, tp)
+        self.mesh_dim_names = ("dp", "fsdp", "pp", "tp")
         self.dp_world_size, self.pp_world_size, self.tp_world_size, self.cp_world_size = dp, pp, tp, 1
         coords = np.argwhere(self.mesh == dist.get_rank())[0]
-        self.dp_rank, self.pp_rank, self.tp_rank = (int(c) for c in coords)
+        self.dp_rank, _, self.pp_rank, self.tp_rank = (int(c) for c in coords)
         self._groups = {}
 
     def is_pp_last_rank(self) -> bool:
@@ -96,6 +96,40 @@ def _from_twinkle_mesh() -> tuple:
     context = metric.context
     return (context.tp_rank, context.dp_rank, context.is_last_stage, metric.calculate(),
             metric.gather_results([context.dp_rank]))
+
+
+def _fsdp_mesh_and_shared_groups() -> tuple:
+    mesh = TwinkleStyleMesh(dp=1, fsdp=2, pp=1, tp=2)
+    collection = MetricCollection([LossMetric(device_mesh=mesh), Accuracy(device_mesh=mesh)])
+    collection.accumulate({"labels": torch.zeros(1, 2, dtype=torch.long)},
+                          {"loss": float(dist.get_rank() // 2), "logits": torch.zeros(1, 2, 3)})
+    context = collection.metrics[0].context
+    return context.dp_size, context.dp_rank, collection.metrics[0].gather_results([context.dp_rank]), \
+        collection.calculate()
+
+
+def test_twinkle_fsdp_dims_are_data_parallel_and_metrics_on_one_mesh_share_groups():
+    results = run_distributed(_fsdp_mesh_and_shared_groups, 4, timeout=30)
+    assert [r[:2] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert all(r[2] == [0, 1] for r in results)
+    assert all(r[3]["loss"] == 0.5 and r[3]["total_tokens"] == 4 for r in results)
+
+
+def _metric_built_before_megatron() -> tuple:
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    ps.destroy_model_parallel()
+    metric = LossMetric()  # torch.distributed is up, megatron's parallel_state not yet
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if ps.is_pipeline_last_stage():
+        metric.accumulate({}, {"loss": 1.0 + ps.get_data_parallel_rank()})
+    return metric.context.tp_size, metric.calculate()
+
+
+def test_a_metric_built_before_megatron_is_initialised_uses_its_layout():
+    results = run_distributed(_metric_built_before_megatron, layout=Layout(tp=2, pp=2))
+    assert all(r == (2, {"loss": 1.0}) for r in results)
 
 
 def test_from_twinkle_style_mesh():

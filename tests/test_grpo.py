@@ -120,6 +120,17 @@ def test_misaligned_arrays_are_counted_not_hidden():
     assert metric.calculate()["train/misaligned_arrays"] == 2
 
 
+def test_nonfinite_advantages_are_counted_not_scored():
+    inputs, outputs, old, _ = hand_batch()
+    metric = GRPOMetric()
+    metric.accumulate(inputs, outputs, old_logps=old, advantages=[float("nan"), -1.0, 1.0])
+    result = metric.calculate()
+    # Sequence 0 leaves out; of the other four tokens, ratio .5 with A<0 is low, 1.5 and 1.5 with A>0 high.
+    assert result["train/nonfinite_tokens"] == 2
+    assert result["train/clip_ratio_low"] == pytest.approx(1 / 4)
+    assert result["train/clip_ratio_high"] == pytest.approx(2 / 4)
+
+
 def test_records_index_sequences_across_calls():
     inputs, outputs, old, advantages = hand_batch()
     metric = GRPOMetric(top_k_kl=2)

@@ -259,3 +259,25 @@ def test_metrics_asking_for_different_vocabulary_sizes_are_refused():
     with pytest.raises(ValueError, match=r"different vocabulary sizes \[50, 60\]"):
         instrument(model, [Accuracy(vocab_size=60), TokenStatsMetric(vocab_size=50)])
     assert instrument(model, [Accuracy(vocab_size=60), TokenStatsMetric()]).vocab_size == 60
+
+
+def _stray_model_call_then_step() -> dict:
+    batch = _batch()
+    with cpu_cuda_shim():
+        chunks = build_gpt_model(SPEC)
+        metrics = instrument(chunks, vocab_size=TRUE_VOCAB)
+        # A model call outside the schedule (an eval probe) with other labels: captured, never paired.
+        other = make_batch(SPEC, 2, seed=99)
+        with torch.no_grad():
+            chunks[0](other["tokens"], other["position_ids"], None, labels=other["labels"] % TRUE_VOCAB)
+        run_forward_backward(chunks, batch, micro_batch_size=MICRO_BATCH, forward_only=True,
+                             forward_step_func=metrics.wrap(gpt_forward_step))
+        return metrics.calculate()
+
+
+def test_a_model_call_outside_the_schedule_is_not_paired_with_a_microbatch():
+    results = run_distributed(_stray_model_call_then_step, layout=Layout(tp=2), timeout=TIMEOUT)
+    want = reference()[0]
+    for result in results:
+        assert result["correct_tokens"] == want["correct_tokens"] and result["total_tokens"] == want["total_tokens"]
+        assert result["entropy"] == pytest.approx(want["entropy"], rel=1e-5)

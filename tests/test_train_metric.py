@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from distributed import Layout, run_distributed
 
 from twinkle_megatron import TrainMetric
@@ -23,6 +24,16 @@ def test_keys_and_numbers():
     result = metric.calculate()
     assert result["learning rate(param group 1)"] == 1e-3 and result["learning rate(param group 2)"] == 2e-4
     assert result["iters"] == 4
+
+
+def test_learning_rates_as_a_tensor():
+    metric = TrainMetric()
+    metric.accumulate(None, {"lr": torch.tensor([1e-4, 2e-4]), "step": 1})
+    result = metric.calculate()
+    assert result["learning rate(param group 1)"] == pytest.approx(1e-4)
+    assert result["learning rate(param group 2)"] == pytest.approx(2e-4)
+    metric.accumulate(None, {"lr": torch.tensor(3e-4), "step": 2})
+    assert metric.calculate()["learning rate"] == pytest.approx(3e-4)
 
 
 def test_too_many_param_groups():

@@ -25,7 +25,6 @@ recorded, and ``calculate()`` raises it on every rank.
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import traceback
@@ -92,7 +91,7 @@ class MegatronInstrumentation:
         self.vocab_size = _shared_vocab_size(vocab_size, user_metrics)
         self.ignore_index = ignore_index
         self.loss_key = loss_key
-        self._pending: collections.deque = collections.deque()
+        self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
@@ -125,7 +124,7 @@ class MegatronInstrumentation:
             context = self._failures.context
             stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
                                        self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
-            self._pending.append({"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats})
+            self._captured = {"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats}
         except Exception as error:  # noqa: BLE001
             self._failures.record("output_layer hook", error)
 
@@ -136,6 +135,9 @@ class MegatronInstrumentation:
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any):
+            # One microbatch per forward_step: what an earlier model call captured (a call outside the
+            # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
+            self._captured = None
             output_tensor, loss_func = forward_step_func(*args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
@@ -147,10 +149,10 @@ class MegatronInstrumentation:
         @functools.wraps(loss_func)
         def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
             result = loss_func(output_tensor, *args, **kwargs)
+            captured, self._captured = self._captured, None
             if kwargs.get("non_loss_data"):
                 return result
             try:
-                captured = self._pending.popleft() if self._pending else None
                 loss_mask = _loss_mask_of(loss_func, captured)
                 self._accumulate(captured, loss_mask, result)
             except Exception as error:  # noqa: BLE001
@@ -196,7 +198,7 @@ class MegatronInstrumentation:
 
     def calculate(self) -> dict[str, Number]:
         """The step's metrics, the same on every rank (collective: every rank calls it)."""
-        self._pending.clear()
+        self._captured = None
         return self.metrics.calculate()
 
     def detach(self) -> None:
@@ -204,7 +206,7 @@ class MegatronInstrumentation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._pending.clear()
+        self._captured = None
 
     def __enter__(self) -> MegatronInstrumentation:
         return self

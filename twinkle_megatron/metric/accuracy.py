@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .base import Number, StateValues
+from .inputs import to_device
 from .logits_metric import LogitsMetric
 
 
@@ -38,7 +39,7 @@ class Accuracy(LogitsMetric):
     def accumulate(self, inputs: Any, outputs: Any, vocab_size: Optional[int] = None,
                    logits_layout: Optional[str] = None, **kwargs: Any) -> None:
         for batch, stats, classes in self._token_batches(inputs, outputs, vocab_size, logits_layout):
-            labels = batch["labels"].to(stats.argmax.device)
+            labels = to_device(batch["labels"], stats.argmax.device)
             self._add("correct_tokens", (classes.counted & (stats.argmax == labels)).sum())
             self._add("total_tokens", classes.counted.sum())
 

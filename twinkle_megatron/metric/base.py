@@ -58,11 +58,13 @@ class Metric:
         self.process_group = process_group
         self.cp_gathered = cp_gathered
         self._context: Optional[ParallelContext] = None
-        if dist.is_available() and dist.is_initialized():
+        if device_mesh is not None and dist.is_available() and dist.is_initialized():
             # Resolve now, while every rank constructs its metrics together: reading a device
             # mesh may create process groups, which every rank must create in the same order;
             # lazily, the last pipeline stage would create them in its first accumulate, the
             # other stages only at calculate(), after whatever groups were made in between.
+            # Without a mesh nothing is created, and resolving at first use sees megatron's
+            # parallel_state even when the metric was built before it was initialised.
             self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}

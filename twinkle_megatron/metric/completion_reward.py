@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .base import Metric, Number, StateValues
+from .inputs import to_device
 
 GENERATE_TIME = "profiling/Time taken: generate"
 WEIGHT_SYNC_TIME = "profiling/Time taken: move_model_to_sampler"
@@ -93,7 +94,7 @@ class CompletionRewardMetric(Metric):
         sums, squares, counts = (torch.zeros(self.max_reward_functions, dtype=torch.float64, device=device)
                                  for _ in range(3))
         for slot, value in values.items():
-            value = value.to(device)
+            value = to_device(value, device)
             sums[slot] = value.sum()  # device ops: a tensor of rewards is never read on the host here
             squares[slot] = (value * value).sum()
             counts[slot] = value.numel()

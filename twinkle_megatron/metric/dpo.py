@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import check_same_shape, microbatches, token_mask
+from .inputs import check_same_shape, microbatches, to_device, token_mask
 from .sequences import as_rows, labels_2d, sum_over_context_parallel
 
 PAIR_LAYOUTS = ("interleaved", "halves")
@@ -84,10 +84,10 @@ class DPOMetric(Metric):
     def _accumulate_microbatch(self, batch: Any, output: Any, layout: str) -> None:
         logps = as_rows(output["logps"])
         device = logps.device
-        labels = labels_2d(batch, "DPOMetric").to(device)
+        labels = to_device(labels_2d(batch, "DPOMetric"), device)
         completion_mask = batch.get("completion_mask")
         if completion_mask is not None:
-            completion_mask = as_rows(completion_mask).to(device)
+            completion_mask = to_device(as_rows(completion_mask), device)
         mask = token_mask(labels, completion_mask, self.ignore_index)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         tokens = mask.sum(-1).to(torch.float64)
@@ -98,7 +98,7 @@ class DPOMetric(Metric):
 
         ref = output.get("ref_logps")
         if ref is not None:
-            ref = as_rows(ref).to(device)
+            ref = to_device(as_rows(ref), device)
             ref_chosen, ref_rejected = _split_pairs(torch.where(mask, ref.to(torch.float64), zero).sum(-1), layout)
             chosen_rewards = self.beta * (chosen - ref_chosen)
             rejected_rewards = self.beta * (rejected - ref_rejected)
@@ -109,7 +109,7 @@ class DPOMetric(Metric):
         pair_tokens, full_margins = sum_over_context_parallel(torch.stack([pair_tokens, margins], -1), self.context,
                                                               self.cp_gathered).unbind(-1)
         counted = pair_tokens > 0
-        once = 1.0 if self.cp_gathered or self.context.cp_rank == 0 else 0.0
+        once = 1.0 if self.context.counts_sequences(self.cp_gathered) else 0.0
         self._add("pairs", counted.sum() * once)
         self._add("chosen_logps", chosen.sum())
         self._add("rejected_logps", rejected.sum())

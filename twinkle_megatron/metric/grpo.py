@@ -46,7 +46,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import check_same_shape, microbatches, token_mask
+from .inputs import check_same_shape, microbatches, to_device, token_mask
 from .sequences import (
     as_rows,
     global_positions,
@@ -161,10 +161,10 @@ class GRPOMetric(Metric):
                                vocab_size: Optional[int], logits_layout: Optional[str]) -> None:
         logps = as_rows(output["logps"])
         device = logps.device
-        labels = labels_2d(batch, type(self).__name__).to(device)
+        labels = to_device(labels_2d(batch, type(self).__name__), device)
         completion_mask = batch.get("completion_mask")
         if completion_mask is not None:
-            completion_mask = as_rows(completion_mask).to(device)
+            completion_mask = to_device(as_rows(completion_mask), device)
         mask = token_mask(labels, completion_mask, self.ignore_index)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale
@@ -173,11 +173,15 @@ class GRPOMetric(Metric):
         entropy = self._entropy(batch, output, labels, vocab_size, logits_layout)
         if entropy is not None:
             finite &= torch.isfinite(entropy)
-        old_tokens = None
+        old_tokens = advantage_tokens = None
         if old is not None:
             old_tokens, misaligned = token_values(old, mask)
             old_tokens = old_tokens * scale
             finite &= torch.isfinite(old_tokens)
+            self._add("misaligned_arrays", misaligned)
+        if old is not None and advantage is not None:
+            advantage_tokens, misaligned = token_values(advantage, mask)
+            finite &= torch.isfinite(advantage_tokens)
             self._add("misaligned_arrays", misaligned)
         valid = mask & finite
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -201,9 +205,7 @@ class GRPOMetric(Metric):
             minus_inf = torch.full((), float("-inf"), dtype=torch.float64, device=device)
             self._maximum("token_kl_max", torch.where(valid, kl, minus_inf).max())
             self._maximum("token_ratio_max", torch.where(valid, ratio, minus_inf).max())
-        if advantage is not None:
-            advantage_tokens, misaligned = token_values(advantage, mask)
-            self._add("misaligned_arrays", misaligned)
+        if advantage_tokens is not None:
             low, high, total = self._clip_counts(log_ratio, advantage_tokens, valid)
             self._add("clip_low", low)
             self._add("clip_high", high)
@@ -215,11 +217,11 @@ class GRPOMetric(Metric):
                  logits_layout: Optional[str]) -> Optional[torch.Tensor]:
         """Per-token entropy shaped like ``labels``: given, or from the (vocab-parallel) logits."""
         if output.get("entropies") is not None:
-            return as_rows(output["entropies"]).to(labels.device)
+            return to_device(as_rows(output["entropies"]), labels.device)
         if output.get("logits") is None and output.get("token_stats") is None:
             return None
         stats = microbatch_token_stats(batch, output, self.context, vocab_size, logits_layout, self.ignore_index)
-        return stats.entropy.reshape(labels.shape).to(labels.device)
+        return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
     def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor,
                      valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,10 +230,6 @@ class GRPOMetric(Metric):
         low = valid & (ratio < 1 - self.epsilon) & (advantages < 0)
         high = valid & (ratio > 1 + self.epsilon_high) & (advantages > 0)
         return low.sum(), high.sum(), valid.sum()
-
-    def _counts_sequences(self) -> bool:
-        """Whether this rank adds per-sequence counts (once per CP group: sequences span its ranks)."""
-        return self.cp_gathered or self.context.cp_rank == 0
 
     # ------------------------------------------------------ top-K KL records
 
@@ -366,7 +364,7 @@ class GSPOMetric(GRPOMetric):
         counted = tokens > 0
         low = counted & (ratio < 1 - self.epsilon) & (advantage_sum < 0)
         high = counted & (ratio > 1 + self.epsilon_high) & (advantage_sum > 0)
-        once = 1.0 if self._counts_sequences() else 0.0
+        once = 1.0 if self.context.counts_sequences(self.cp_gathered) else 0.0
         return low.sum() * once, high.sum() * once, counted.sum() * once
 
 

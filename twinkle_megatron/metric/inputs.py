@@ -9,7 +9,7 @@ dimension so that inputs and outputs describe the same tokens.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequen
         raise ValueError(f"outputs mix per-microbatch lists ({sorted(listed)}) with whole-batch values "
                          f"({sorted(whole)}); give all of them per microbatch or all for the whole batch")
     if whole and len(batches) > 1:
-        return [(concatenate_batches(batches), dict(whole))]
+        return [(ConcatenatedBatch(batches), dict(whole))]
     return [
         (batch, {**whole, **{key: value[index] for key, value in listed.items()}})
         for index, batch in enumerate(batches)
@@ -50,22 +50,64 @@ def _per_microbatch(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
 
 
-def concatenate_batches(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Concatenate microbatch inputs along dim 0 (tensors) or by extension (lists)."""
-    merged: dict[str, Any] = {}
-    for key in batches[0]:
-        values = [batch.get(key) for batch in batches]
-        if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
-            trailing = {tuple(v.shape[1:]) for v in values}
-            if len(trailing) > 1:
-                raise ValueError(f"inputs[*][{key!r}] cannot be concatenated over microbatches: shapes "
-                                 f"{[tuple(v.shape) for v in values]} differ beyond the batch dimension")
-            merged[key] = torch.cat(values, dim=0)
-        elif all(isinstance(v, (list, tuple)) for v in values):
-            merged[key] = [item for v in values for item in v]
-        else:
-            merged[key] = values[0]
-    return merged
+class ConcatenatedBatch(Mapping):
+    """The microbatches' inputs as one batch, each key concatenated along dim 0 when first read.
+
+    Lazily, so that keys a metric never reads (``input_ids`` padded to another
+    length in each microbatch) cannot fail; ``parts`` keeps the microbatches for
+    what needs no concatenation (token counts).
+    """
+
+    def __init__(self, parts: Sequence[Mapping[str, Any]]) -> None:
+        self.parts = list(parts)
+        self._merged: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.parts[0]:
+            raise KeyError(key)
+        if key not in self._merged:
+            self._merged[key] = _concatenate([part.get(key) for part in self.parts], key)
+        return self._merged[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.parts[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parts[0])
+
+    def __len__(self) -> int:
+        return len(self.parts[0])
+
+
+def _concatenate(values: list, key: str) -> Any:
+    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+        if len({tuple(v.shape[1:]) for v in values}) > 1:
+            raise ValueError(f"inputs[*][{key!r}] cannot be concatenated over microbatches: shapes "
+                             f"{[tuple(v.shape) for v in values]} differ beyond the batch dimension")
+        return torch.cat(values, dim=0)
+    if all(isinstance(v, (list, tuple)) for v in values):
+        return [item for v in values for item in v]
+    return values[0]
+
+
+def count_tokens(batch: Mapping[str, Any], ignore_index: int = -100) -> torch.Tensor:
+    """Tokens that count in ``batch`` (see :func:`token_mask`), without concatenating microbatches."""
+    parts = batch.parts if isinstance(batch, ConcatenatedBatch) else [batch]
+    counts = []
+    for part in parts:
+        labels = part.get("labels")
+        if labels is None:
+            raise ValueError("counting tokens needs inputs['labels'] (or pass num_tokens)")
+        labels = labels if isinstance(labels, torch.Tensor) else torch.as_tensor(labels)
+        counts.append(token_mask(labels, part.get("completion_mask"), ignore_index).sum())
+    return torch.stack(counts).sum()
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host-to-accelerator copy does not make the host wait for the device."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=tensor.device.type == "cpu")
 
 
 def token_mask(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None,

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import check_same_shape, microbatches, token_mask
+from .inputs import check_same_shape, count_tokens, microbatches, to_device, token_mask
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -67,9 +67,11 @@ class LossMetric(Metric):
                     weight = torch.ones_like(loss)
                 nonfinite = ~valid
             else:
-                labels = _labels(batch, "per-token losses")
+                labels = batch.get("labels")
+                if labels is None:
+                    raise ValueError("per-token losses need inputs['labels'] to mask them")
                 check_same_shape("loss", loss, "labels", labels)
-                mask = token_mask(labels, batch.get("completion_mask"), self.ignore_index).to(loss.device)
+                mask = to_device(token_mask(labels, batch.get("completion_mask"), self.ignore_index), loss.device)
                 valid = mask & torch.isfinite(loss)
                 weight = valid.to(torch.float64)
                 nonfinite = (mask & ~valid).sum()
@@ -84,8 +86,10 @@ class LossMetric(Metric):
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:
             return num_tokens
-        labels = _labels(batch, "loss_reduction='sum' without num_tokens (in outputs or as a keyword)")
-        return token_mask(labels, batch.get("completion_mask"), self.ignore_index).sum()
+        if "labels" not in batch:
+            raise ValueError("loss_reduction='sum' without num_tokens (in outputs or as a keyword) needs "
+                             "inputs['labels'] to count the tokens")
+        return count_tokens(batch, self.ignore_index)
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         if states["values"] == 0:
@@ -99,9 +103,3 @@ class LossMetric(Metric):
             results["nonfinite_losses"] = int(states["nonfinite_losses"])
         return results
 
-
-def _labels(batch: Any, purpose: str) -> torch.Tensor:
-    labels = batch.get("labels")
-    if labels is None:
-        raise ValueError(f"{purpose} needs inputs['labels'] to count the tokens")
-    return labels if isinstance(labels, torch.Tensor) else torch.as_tensor(labels)

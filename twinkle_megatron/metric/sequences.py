@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
+from .inputs import to_device
 
 
 def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, cp_gathered: bool) -> torch.Tensor:
@@ -119,9 +120,9 @@ def token_values(values: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
         return torch.where(mask, spread, torch.zeros((), dtype=torch.float64, device=device)), misaligned
     arrays = [torch.as_tensor([] if is_scalar else item, dtype=torch.float64).reshape(-1)
               for item, is_scalar in zip(values, scalar_row)]
-    lengths = torch.tensor([len(a) for a in arrays], device=device)
+    lengths = to_device(torch.tensor([len(a) for a in arrays]), device)
     if all(a.device.type == "cpu" for a in arrays):
-        padded = torch.nn.utils.rnn.pad_sequence(arrays, batch_first=True).to(device)
+        padded = to_device(torch.nn.utils.rnn.pad_sequence(arrays, batch_first=True), device)
     else:
         padded = torch.nn.utils.rnn.pad_sequence([a.to(device) for a in arrays], batch_first=True)
     if padded.shape[1] == 0:
@@ -129,7 +130,7 @@ def token_values(values: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
     rank_among_counted = mask.long().cumsum(-1) - 1
     scattered = padded.gather(1, rank_among_counted.clamp(0, padded.shape[1] - 1))
     scattered = torch.where(rank_among_counted < lengths[:, None], scattered, torch.zeros_like(scattered))
-    is_scalar = torch.tensor(scalar_row, device=device)
+    is_scalar = to_device(torch.tensor(scalar_row), device)
     result = torch.where(is_scalar[:, None], spread, scattered)
     misaligned = (~is_scalar & (mask.sum(-1) != lengths)).sum().to(torch.float64)
     return torch.where(mask, result, torch.zeros_like(result)), misaligned
@@ -138,7 +139,7 @@ def token_values(values: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def _stack_on(device: torch.device, items: list) -> torch.Tensor:
     """Numbers and 0-d tensors as one float64 vector on ``device`` (one copy for host numbers)."""
     if all(not isinstance(item, torch.Tensor) for item in items):
-        return torch.tensor([float(item) for item in items], dtype=torch.float64, device=device)
+        return to_device(torch.tensor([float(item) for item in items], dtype=torch.float64), device)
     return torch.stack([torch.as_tensor(item, dtype=torch.float64).reshape(()).to(device) for item in items])
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..ops import TokenStats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
+from .inputs import to_device
 
 LAYOUTS = ("bsv", "sbv")
 
@@ -72,7 +73,7 @@ def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: Para
     if cache is not None and key in cache:
         return cache[key]
     aligned_labels = labels.t() if layout == "sbv" else labels
-    stats = vocab_parallel_token_stats(logits, aligned_labels.to(logits.device),
+    stats = vocab_parallel_token_stats(logits, to_device(aligned_labels, logits.device),
                                        group=context.tp_group if context.tp_size > 1 else None,
                                        vocab_size=vocab_size, ignore_index=ignore_index)
     if layout == "sbv":
@@ -110,7 +111,7 @@ class TokenClasses(NamedTuple):
 
 def classify_tokens(stats: TokenStats, mask: torch.Tensor) -> TokenClasses:
     """Split the tokens of ``mask`` by what the statistics say about them (device ops only)."""
-    mask = mask.to(stats.entropy.device)
+    mask = to_device(mask, stats.entropy.device)
     finite = torch.isfinite(stats.entropy)
     valid_label = ~torch.isnan(stats.logprobs)
     return TokenClasses(mask & finite & valid_label, mask & ~finite, mask & finite & ~valid_label)

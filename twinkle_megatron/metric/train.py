@@ -47,14 +47,19 @@ class TrainMetric(Metric):
         outputs = outputs or {}
         lr = outputs.get("lr")
         if lr is not None:
-            rates = list(lr) if isinstance(lr, Sequence) else [lr]
+            if isinstance(lr, torch.Tensor):  # one per parameter group, or a single 0-d rate
+                rates = list(lr.detach().to(torch.float64).reshape(-1).unbind())
+            else:
+                rates = [torch.as_tensor(r, dtype=torch.float64) for r in (lr if isinstance(lr, Sequence) else [lr])]
             if len(rates) > self.max_param_groups:
                 raise ValueError(f"outputs['lr'] has {len(rates)} parameter groups; raise "
                                  f"TrainMetric(max_param_groups=...) above {self.max_param_groups}")
             # Device tensors are stacked, not read: no host sync.
-            rates = [torch.as_tensor(rate, dtype=torch.float64).reshape(()) for rate in rates]
-            padding = [torch.tensor(float("-inf"), dtype=torch.float64)] * (self.max_param_groups - len(rates))
-            self._assign("learning_rates", torch.stack([r.to(rates[0].device) for r in rates + padding]))
+            device = rates[0].device
+            padding = torch.full((self.max_param_groups - len(rates),), float("-inf"), dtype=torch.float64,
+                                 device=device)
+            self._assign("learning_rates", torch.cat([torch.stack([r.reshape(()).to(device) for r in rates]),
+                                                      padding]))
         # Step counters are kept as given and read at calculate(): a tensor must not sync here.
         if outputs.get("step") is not None:
             self.step = outputs["step"]

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means "the default (world) group"
 
+_MESH_CONTEXTS: dict = {}  # id(mesh) -> (mesh, its context)
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -56,6 +58,10 @@ class ParallelContext:
         if not self.is_last_stage or self.tp_rank != 0:
             return False
         return not cp_gathered or self.cp_rank == 0
+
+    def counts_sequences(self, cp_gathered: bool = False) -> bool:
+        """Whether this rank adds per-sequence counts: once per CP group, whose ranks share each sequence."""
+        return cp_gathered or self.cp_rank == 0
 
     @property
     def reduce_size(self) -> int:
@@ -135,12 +141,20 @@ class ParallelContext:
             return mesh
         if not _dist_ready():
             return cls.single()
+        # One context per mesh: every metric on it must reduce over the same group object, and
+        # reading a mesh may create process groups (collective over the world) only once.
+        cached = _MESH_CONTEXTS.get(id(mesh))
+        if cached is not None and cached[0] is mesh:
+            return cached[1]
         if hasattr(mesh, "tp_world_size"):
-            return cls._from_twinkle_mesh(mesh)
-        if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "get_group"):
-            return cls._from_torch_mesh(mesh)
-        raise TypeError(f"cannot read a parallel layout from {type(mesh).__name__}: expected a Twinkle "
-                        "DeviceMesh, a torch DeviceMesh with named dims, or a ParallelContext")
+            context = cls._from_twinkle_mesh(mesh)
+        elif hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "get_group"):
+            context = cls._from_torch_mesh(mesh)
+        else:
+            raise TypeError(f"cannot read a parallel layout from {type(mesh).__name__}: expected a Twinkle "
+                            "DeviceMesh, a torch DeviceMesh with named dims, or a ParallelContext")
+        _MESH_CONTEXTS[id(mesh)] = (mesh, context)
+        return context
 
     @classmethod
     def _from_twinkle_mesh(cls, mesh: Any) -> ParallelContext:
@@ -150,14 +164,22 @@ class ParallelContext:
         tp_size = int(mesh.tp_world_size or 1)
         pp_size = int(mesh.pp_world_size or 1)
         cp_size = int(getattr(mesh, "cp_world_size", 1) or 1)
-        dp_size = int(mesh.dp_world_size or 1)
-        dp_dims = [d for d in ("dp", "fsdp") if d in (getattr(mesh, "mesh_dim_names", None) or ("dp",))]
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        # Data parallelism is every dp and fsdp dim together (Twinkle shards data over both).
+        dp_dims = [d for d in ("dp", "fsdp") if d in names and int(mesh.mesh.shape[names.index(d)]) > 1]
+        if dp_dims:
+            dp_size = 1
+            for d in dp_dims:
+                dp_size *= int(mesh.mesh.shape[names.index(d)])
+        else:
+            dp_dims, dp_size = ["dp"], int(mesh.dp_world_size or 1)
         tp_group, cp_group, dp_group = group(["tp"], tp_size), group(["cp"], cp_size), group(dp_dims, dp_size)
+        dp_rank = _rank_of(mesh, "dp_rank", dp_group) if dp_dims == ["dp"] else dist.get_rank(dp_group)
         return cls(tp_group=tp_group, tp_size=tp_size, tp_rank=_rank_of(mesh, "tp_rank", tp_group),
                    pp_size=pp_size, pp_rank=int(getattr(mesh, "pp_rank", 0) or 0),
                    is_last_stage=bool(mesh.is_pp_last_rank()) if pp_size > 1 else True,
                    cp_group=cp_group, cp_size=cp_size, cp_rank=_rank_of(mesh, "cp_rank", cp_group),
-                   dp_group=dp_group, dp_size=dp_size, dp_rank=_rank_of(mesh, "dp_rank", dp_group),
+                   dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank,
                    reduce_group=_group_over(_mesh_ranks(mesh)), distributed=True)
 
     @classmethod
