@@ -25,6 +25,7 @@ recorded, and ``calculate()`` raises it on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import traceback
@@ -97,15 +98,18 @@ class MegatronInstrumentation:
         self._current: dict = {}
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         for gpt in _language_models(chunks):
-            self._handles.append(gpt.register_forward_pre_hook(self._before_model, with_kwargs=True))
+            # The signature is read once here, not per microbatch.
+            before = functools.partial(self._before_model, inspect.signature(gpt.forward))
+            self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(gpt.output_layer.register_forward_hook(
                 functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
 
     # ------------------------------------------------------------------ hooks
 
-    def _before_model(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _before_model(self, signature: inspect.Signature, module: torch.nn.Module, args: tuple,
+                      kwargs: dict) -> None:
         try:
-            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+            bound = signature.bind_partial(*args, **kwargs).arguments
             self._current = {"labels": bound.get("labels"), "loss_mask": bound.get("loss_mask")}
             self._calls_in_forward = 0
         except Exception as error:  # noqa: BLE001 - see the module docstring
@@ -274,9 +278,8 @@ def _mtp_heads(gpt: torch.nn.Module) -> int:
 
 
 def _no_tp(context: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(context, tp_group=None, tp_size=1, tp_rank=context.tp_rank)
+    """The context with the whole vocabulary local (the output layer gathered its output)."""
+    return dataclasses.replace(context, tp_group=None, tp_size=1)
 
 
 def _loss_mask_of(loss_func: Callable, captured: Optional[dict]) -> Optional[torch.Tensor]:
