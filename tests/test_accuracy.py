@@ -6,7 +6,7 @@ import pytest
 import torch
 from batches import megatron_rank_shard, split_microbatches
 from distributed import Layout, run_distributed
-from instrumentation import count_collectives, forbid_host_sync
+from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import Accuracy, Metric, MetricCollection
 from twinkle_megatron.metric.inputs import microbatches, token_mask
@@ -64,7 +64,7 @@ def _accuracy_on_rank(num_microbatches: int, as_list: bool, megatron_layout: boo
                 logits = [mb.transpose(0, 1).contiguous() for mb in logits]
         elif megatron_layout:
             logits = logits.transpose(0, 1).contiguous()
-        with forbid_host_sync(allow_cpu=False):
+        with forbid_host_sync():
             metric.accumulate(inputs, {"logits": logits})
     return metric.calculate()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from batches import dp_cp_shard, megatron_rank_shard, split_microbatches
 from distributed import Layout, run_distributed
-from instrumentation import count_collectives, forbid_host_sync
+from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import Accuracy, LossMetric, MetricCollection
 from twinkle_megatron.metric.completion_reward import CompletionRewardMetric
@@ -54,7 +54,7 @@ def feed(metrics: dict, batch: dict, shard: Callable, block: Callable, vocab_sha
     split = {k: split_microbatches(v, MICROBATCHES) for k, v in local.items()}
     losses = [-(logps * (labels != -100)).sum() for logps, labels in zip(split["logps"], split["labels"])]
     advantages, rewards = block(batch["advantages"]).tolist(), block(batch["rewards"])
-    with forbid_host_sync(allow_cpu=False), count_collectives() as counts:
+    with forbid_host_sync(), count_collectives() as counts:
         # Accuracy, the loss and GRPO read one microbatch's logits together: one shared vocab-parallel pass.
         MetricCollection([metrics["accuracy"], metrics["loss"], metrics["grpo"]]).accumulate(
             inputs, {"logits": [vocab_shard(x) for x in split["logits"]], "logps": split["logps"], "loss": losses},
@@ -102,7 +102,7 @@ def test_all_metrics_cost_two_collectives_plus_one_optional_gather(layout):
         assert all(r == results[0] for r in results), "every rank returns the same dict"
         # calculate(): one SUM and one MAX all-reduce for the states of all metrics; object records
         # (GRPO's top-K tokens, the embeddings' per-call sums) share one all-gather, only when present.
-        gather = {"all_gather_object": 1} if top_k or with_embedding else {}
+        gather = {"all_gather": 2} if top_k or with_embedding else {}
         assert all(runs[variant][2] == {"all_reduce": 2, **gather} for runs in per_rank), (top_k, with_embedding)
         # accumulate(): two TP collectives per microbatch for Accuracy + GRPO entropy together;
         # one CP all-reduce per microbatch for DPO's pair sums; nothing else.

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from batches import dp_cp_shard
 from distributed import Layout, run_distributed
-from instrumentation import count_collectives, forbid_host_sync
+from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron.metric.completion_reward import CompletionRewardMetric
 
@@ -52,7 +52,7 @@ def _rewards_on_rank(calls: int) -> tuple[dict, dict]:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     local = {k: dp_cp_shard(v, dp_rank, dp_size) for k, v in rollout.items()}
     metric = CompletionRewardMetric()
-    with forbid_host_sync(allow_cpu=False):
+    with forbid_host_sync():
         for part in range(calls):
             piece = {k: v.chunk(calls)[part] for k, v in local.items()}
             metric.accumulate(rewards={"accuracy": piece["accuracy"], "format": piece["format"]},

@@ -6,7 +6,7 @@ import pytest
 import torch
 from batches import megatron_rank_shard, split_microbatches
 from distributed import Layout, run_distributed
-from instrumentation import count_collectives, forbid_host_sync
+from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron.metric.dpo import DPOMetric
 
@@ -81,7 +81,7 @@ def test_bad_input_says_what_mismatched():
         metric.accumulate([{"labels": labels}, {"labels": labels[:5]}], {"logps": [logps, logps[:5]]})
     with pytest.raises(ValueError, match=r"labels has shape \(6, 3\) but logps has shape \(6, 2\)"):
         metric.accumulate({"labels": labels}, {"logps": logps[:, :2]})
-    with pytest.raises(ValueError, match=r"logps has shape \(6, 3\) but ref_outputs\['logps'\] has shape \(4, 3\)"):
+    with pytest.raises(ValueError, match=r"labels has shape \(6, 3\) but ref_outputs\['logps'\] has shape \(4, 3\)"):
         metric.accumulate({"labels": labels}, {"logps": logps}, ref_outputs={"logps": ref[:4]})
     with pytest.raises(ValueError, match="pair_layout must be one of"):
         DPOMetric(pair_layout="pairs")
@@ -132,7 +132,7 @@ def _dpo_on_rank() -> list[tuple[dict, dict]]:
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             inputs = [{"labels": labels} for labels in split_microbatches(local["labels"], count)]
             logps, ref = (split_microbatches(local[k], count) if as_list else local[k] for k in ("logps", "ref"))
-            with forbid_host_sync(allow_cpu=False), count_collectives() as collectives:
+            with forbid_host_sync(), count_collectives() as collectives:
                 metric.accumulate(inputs, {"logps": logps}, ref_outputs={"logps": ref})
             counts = dict(collectives)
         runs.append((metric.calculate(), counts))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from batches import dp_cp_shard, megatron_rank_shard, split_microbatches
 from distributed import Layout, run_distributed
-from instrumentation import count_collectives, forbid_host_sync
+from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import ParallelContext
 from twinkle_megatron.metric.grpo import CISPOMetric, GRPOMetric, GSPOMetric
@@ -294,7 +294,7 @@ def _metrics_on_rank(splits: list[tuple[int, bool]]) -> list[tuple[dict, dict]]:
             }
             outputs["cispo"] = outputs["gspo"]
             for name, metric in metrics.items():
-                with forbid_host_sync(allow_cpu=False), count_collectives() as collectives:
+                with forbid_host_sync(), count_collectives() as collectives:
                     metric.accumulate(inputs, outputs[name], old_logps=old, advantages=advantages)
                 counts[name] = dict(collectives)
         runs.append(({name: metric.calculate() for name, metric in metrics.items()}, counts))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from cuda_shim import cpu_cuda_shim
 from distributed import Layout, run_distributed
-from instrumentation import forbid_host_sync
+from guards import forbid_host_sync
 from megatron.core import parallel_state
 from megatron_gpt import (
     GPTSpec,
@@ -162,7 +162,7 @@ def _hooks_are_clean() -> dict:
 def _guarded(method):
     @functools.wraps(method)
     def run(*args, **kwargs):
-        with forbid_host_sync(allow_cpu=False):
+        with forbid_host_sync():
             return method(*args, **kwargs)
     return run
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from distributed import Layout, run_distributed
-from instrumentation import count_collectives, forbid_host_sync
+from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import LossMetric, MetricCollection, TrainMetric
 from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floating_point_operations
@@ -53,7 +53,7 @@ def test_context_manager_and_step_numbering():
 
 def test_end_step_never_syncs_with_the_host():
     tracker = quiet_tracker(log_interval=4, model_config=_small_config(), padded_vocab_size=128)
-    with forbid_host_sync(allow_cpu=False):
+    with forbid_host_sync():
         for step in (2, 3):
             tracker.start_step()
             tracker.end_step(step, loss={"lm loss": torch.tensor([3.0, 2.0])}, grad_norm=torch.tensor(1.0),

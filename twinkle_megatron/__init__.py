@@ -11,6 +11,9 @@ from .metric import (
     LossMetric,
     Metric,
     MetricCollection,
+    MetricSyncError,
+    PPOMetric,
+    PPOValueMetric,
     TokenStatsMetric,
     TrainMetric,
 )
@@ -20,5 +23,5 @@ from .tracker import MetricsTracker
 __version__ = "0.1.0"
 
 __all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric",
-           "GSPOMetric", "CISPOMetric", "DPOMetric", "EmbeddingMetric", "CompletionRewardMetric", "ParallelContext",
-           "MetricsTracker", "__version__"]
+           "GSPOMetric", "CISPOMetric", "PPOMetric", "PPOValueMetric", "DPOMetric", "EmbeddingMetric",
+           "CompletionRewardMetric", "ParallelContext", "MetricsTracker", "MetricSyncError", "__version__"]

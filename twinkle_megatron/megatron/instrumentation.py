@@ -57,8 +57,8 @@ class _HookFailures(Metric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         pass
 
-    def _local_states(self) -> dict:
-        return self._states  # a failure on any rank counts, whatever its stage
+    def _counts_here(self) -> bool:
+        return True  # a failure on any rank counts, whatever its stage
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         failures, messages = int(states["failures"]), self.messages
@@ -74,7 +74,7 @@ def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100) 
     """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss."""
     return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index),
             TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index),
-            LossMetric(loss_reduction="sum")]
+            LossMetric()]
 
 
 class MegatronInstrumentation:
@@ -174,7 +174,8 @@ class MegatronInstrumentation:
             if loss_mask is not None:
                 inputs["completion_mask"] = loss_mask.reshape(captured["labels"].shape)
             outputs["token_stats"] = captured["stats"]
-        self.metrics.accumulate(inputs, outputs)
+        # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
+        self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
 
     # --------------------------------------------------------- explicit calls
 
@@ -196,7 +197,7 @@ class MegatronInstrumentation:
             outputs["token_stats"] = stats
         if loss is not None:
             outputs.update(loss=loss, num_tokens=num_tokens)
-        self.metrics.accumulate(inputs, outputs)
+        self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
 
     # ------------------------------------------------------------ results etc.
 

@@ -2,16 +2,17 @@
 
 from .accuracy import Accuracy
 from .base import Metric, StateSpec
-from .collection import MetricCollection, calculate_metrics
+from .collection import MetricCollection, MetricSyncError, calculate_metrics
 from .completion_reward import CompletionRewardMetric
 from .dpo import DPOMetric
 from .embedding import EmbeddingMetric
-from .grpo import CISPOMetric, GRPOMetric, GSPOMetric
+from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .logits_metric import LogitsMetric
 from .loss import LossMetric
+from .ppo import PPOValueMetric
 from .token_stats_metric import TokenStatsMetric
 from .train import TrainMetric
 
 __all__ = ["Metric", "StateSpec", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",
            "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "DPOMetric",
-           "EmbeddingMetric", "CompletionRewardMetric"]
+           "PPOMetric", "PPOValueMetric", "EmbeddingMetric", "CompletionRewardMetric", "MetricSyncError"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from .base import Number, StateValues
 from .inputs import to_device
@@ -36,21 +36,16 @@ class Accuracy(LogitsMetric):
         self.add_state("correct_tokens", "sum")
         self.add_state("total_tokens", "sum")
 
-    def accumulate(self, inputs: Any, outputs: Any, vocab_size: Optional[int] = None,
-                   logits_layout: Optional[str] = None, **kwargs: Any) -> None:
-        for batch, stats, classes in self._token_batches(inputs, outputs, vocab_size, logits_layout):
-            labels = to_device(batch["labels"], stats.argmax.device)
-            self._add("correct_tokens", (classes.counted & (stats.argmax == labels)).sum())
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        for batch, classes in self._token_batches(inputs, outputs, kwargs):
+            labels = to_device(batch.labels, batch.stats.argmax.device)
+            self._add("correct_tokens", (classes.counted & (batch.stats.argmax == labels)).sum())
             self._add("total_tokens", classes.counted.sum())
 
     def compute(self, states: StateValues) -> dict[str, Number]:
-        problems = self._token_problems(states)
+        results = self._token_problems(states)
         total = states["total_tokens"]
-        if total == 0 and not problems:
-            return {}
-        return {
-            "accuracy": states["correct_tokens"] / total if total else float("nan"),
-            "correct_tokens": int(states["correct_tokens"]),
-            "total_tokens": int(total),
-            **problems,
-        }
+        if total > 0:
+            results.update(accuracy=states["correct_tokens"] / total, correct_tokens=int(states["correct_tokens"]),
+                           total_tokens=int(total))
+        return results

@@ -10,12 +10,24 @@ the globally reduced states into Python numbers in :meth:`compute`.
 dict. Ranks whose data does not count (earlier pipeline stages, TP ranks other
 than 0, see :meth:`ParallelContext.holds_data`) contribute identity values, so
 the collectives always line up and nothing is counted twice.
+
+``accumulate`` runs without autograd (every subclass's ``accumulate`` is wrapped
+in ``torch.no_grad()``): a metric never extends, nor keeps alive, the graph of
+the tensors it reads.
+
+When Twinkle is installed, :class:`Metric` also derives from
+``twinkle.metric.Metric``, so Twinkle's ``add_metric`` / ``construct_class``
+construct these classes like its own (set ``TWINKLE_MEGATRON_STANDALONE=1`` to
+keep Twinkle out). Twinkle is never a dependency.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +38,27 @@ Number = Union[int, float]
 StateValues = Mapping[str, Union[float, torch.Tensor]]
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+def _twinkle_metric_base() -> type:
+    """``twinkle.metric.Metric`` when Twinkle is installed and importable, else ``object``."""
+    if os.environ.get("TWINKLE_MEGATRON_STANDALONE", "") not in ("", "0"):
+        return object
+    try:
+        if importlib.util.find_spec("twinkle") is None:
+            return object
+        from twinkle.metric.base import Metric as TwinkleMetric
+    except Exception:  # noqa: BLE001 - a broken or unrelated 'twinkle' must not break this package
+        return object
+    return TwinkleMetric
+
+
+_Base = _twinkle_metric_base()
+
+
+def not_given(value: Any) -> bool:
+    """None, or the ``...`` placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``)."""
+    return value is None or value is Ellipsis
 
 
 @dataclass(frozen=True)
@@ -40,7 +73,17 @@ class StateSpec:
         return _IDENTITY[self.reduce]
 
 
-class Metric:
+def _without_autograd(accumulate: Callable) -> Callable:
+    @functools.wraps(accumulate)
+    def accumulate_without_autograd(self: Metric, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return accumulate(self, *args, **kwargs)
+
+    accumulate_without_autograd.__wrapped_without_autograd__ = True
+    return accumulate_without_autograd
+
+
+class Metric(_Base):
     """Twinkle's ``Metric(device_mesh, process_group)``, with device states and one sync.
 
     Args:
@@ -48,12 +91,22 @@ class Metric:
             or None (then megatron-core's parallel_state, ``process_group`` or
             the world is used; see :meth:`ParallelContext.resolve`).
         process_group: the data-parallel group (what Twinkle passes).
-        cp_gathered: the data passed is already complete on every
-            context-parallel rank, so count CP rank 0 only (DESIGN.md).
+        cp_gathered: whether the data passed is complete on every context-parallel
+            rank (then CP rank 0 counts it once) or each CP rank passes its own
+            chunks (``False``: every CP rank counts). ``None`` (default): decided
+            per microbatch from the shapes, see :func:`.context_parallel.align_to_cp_rank`.
     """
 
-    def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: bool = False,
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        accumulate = cls.__dict__.get("accumulate")
+        if accumulate is not None and not getattr(accumulate, "__wrapped_without_autograd__", False):
+            cls.accumulate = _without_autograd(accumulate)
+
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
                  **kwargs: Any) -> None:
+        device_mesh = None if not_given(device_mesh) else device_mesh
+        process_group = None if not_given(process_group) else process_group
         self.device_mesh = device_mesh
         self.process_group = process_group
         self.cp_gathered = cp_gathered
@@ -116,6 +169,17 @@ class Metric:
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
 
+    def _assign_finite(self, name: str, value: Union[torch.Tensor, Number], nonfinite_count: str) -> None:
+        """Assign ``value`` if it is finite; else keep the state and add 1 to ``nonfinite_count``.
+
+        For "latest value" states such as ``grad_norm``: a NaN on one rank would
+        otherwise win or lose the MAX depending on which rank holds it.
+        """
+        value = self._as_state(name, value).reshape(self._specs[name].shape)
+        finite = torch.isfinite(value)
+        self._states[name] = torch.where(finite, value, self._states[name])
+        self._add(nonfinite_count, (~finite).sum())
+
     # ---------------------------------------------------------- the Twinkle API
 
     @property
@@ -166,9 +230,13 @@ class Metric:
         """
         return None
 
+    def _counts_here(self) -> bool:
+        """Whether this rank's states count in the global reduction (see :meth:`ParallelContext.holds_data`)."""
+        return self.context.holds_data(bool(self.cp_gathered))
+
     def _local_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""
-        if self.context.holds_data(self.cp_gathered):
+        if self._counts_here():
             return self._states
         return {name: torch.full(spec.shape, spec.identity, dtype=torch.float64)
                 for name, spec in self._specs.items()}
@@ -176,27 +244,59 @@ class Metric:
     # -------------------------------------------------------------- resuming
 
     def state_dict(self) -> dict[str, Any]:
-        return {"states": {k: v.detach().cpu().clone() for k, v in self._states.items()}}
+        """The metric's global, layout-free state (collective: every rank calls it, like ``calculate()``).
+
+        The states are reduced over all ranks (the same two collectives as
+        ``calculate()``), so a checkpoint taken under one TP×PP×CP×DP layout
+        resumes correctly under any other. Every rank returns the same dict.
+        """
+        from .collection import reduced_state_dicts
+
+        return reduced_state_dicts([self])[0]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of a run under any layout.
+
+        Sums go to one rank (the first rank whose data counts: last stage, TP, CP
+        and DP rank 0), identities to the others; maxima and minima to every rank.
+        """
         states = state_dict["states"]
         missing = set(self._specs) - set(states)
         if missing:
             raise ValueError(f"{type(self).__name__}.load_state_dict: missing states {sorted(missing)}")
         device = self._state_device()
-        self._states = {k: torch.as_tensor(states[k], dtype=torch.float64).to(device).reshape(spec.shape)
-                        for k, spec in self._specs.items()}
+        primary = self._is_primary()
+        loaded = {}
+        for name, spec in self._specs.items():
+            value = torch.as_tensor(states[name], dtype=torch.float64)
+            if tuple(value.shape) != spec.shape:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: state {name!r} has shape "
+                                 f"{tuple(value.shape)}, expected {spec.shape}")
+            if spec.reduce == "sum" and not primary:
+                value = torch.full(spec.shape, spec.identity, dtype=torch.float64)
+            loaded[name] = value.to(device)
+        self._states = loaded
+
+    def _is_primary(self) -> bool:
+        """The one rank that holds the loaded sums: its data counts, and it is DP and CP rank 0."""
+        context = self.context
+        return self._counts_here() and context.dp_rank == 0 and context.cp_rank == 0
 
     # ------------------------------------------------------- Twinkle helpers
 
     def gather_results(self, local_results: list) -> list:
-        """Twinkle's helper for user-written metrics: all-gather picklable results over DP.
+        """Twinkle's helper for user-written metrics: all-gather picklable results.
 
-        Returns the concatenation of every data-parallel rank's list.
+        Collective (every rank calls it). Returns, on every rank, the
+        concatenation of the lists of every rank whose data counts (the last
+        pipeline stage, TP rank 0, see :meth:`ParallelContext.holds_data`), in
+        rank order: all data-parallel (and context-parallel) ranks' results,
+        each once. One ``all_gather_object`` over the reduction group.
         """
         context = self.context
-        if not context.distributed or context.dp_size == 1:
-            return list(local_results)
-        gathered: list = [None] * context.dp_size
-        dist.all_gather_object(gathered, list(local_results), group=context.dp_group)
+        mine = list(local_results) if self._counts_here() else []
+        if not context.distributed or context.reduce_size == 1:
+            return mine
+        gathered: list = [None] * context.reduce_size
+        dist.all_gather_object(gathered, mine, group=context.reduce_group)
         return [item for rank_results in gathered for item in rank_results]

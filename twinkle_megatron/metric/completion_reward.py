@@ -17,12 +17,12 @@ without an extra collective.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import to_device
+from .inputs import call_value, to_device
 
 GENERATE_TIME = "profiling/Time taken: generate"
 WEIGHT_SYNC_TIME = "profiling/Time taken: move_model_to_sampler"
@@ -32,10 +32,22 @@ class CompletionRewardMetric(Metric):
     r"""Twinkle's ``CompletionRewardMetric``, data-parallel for real.
 
     ``accumulate(inputs=None, outputs=None, *, rewards=None, completion_lengths=None,
-    generate_time=None, weight_sync_time=None)``: ``rewards`` maps a reward
-    function's name to its values (a list or tensor, one per completion);
-    ``completion_lengths`` one number per completion; the times one number per
-    call. Over all completions ``x`` of all calls and ranks (``n`` of them):
+    completions=None, generate_time=None, weight_sync_time=None)``, in the forms
+    of Twinkle's code and of its documentation alike:
+
+    * ``rewards``: ``{name: values}`` (Twinkle's code: one entry per reward
+      function, values a list or tensor with one per completion), or a plain
+      list / tensor of values (the docs: one unnamed reward function, reported
+      as ``train/reward`` and ``train/reward_std``);
+    * ``completion_lengths``: one number per completion; or ``completions``
+      (the docs): the completions themselves, whose length is their ``len()``:
+      characters for a string (no tokenizer is at hand: pass
+      ``completion_lengths`` for token counts), tokens for a list of token ids;
+    * ``generate_time`` (the code) or ``generation_time`` (the docs), and
+      ``weight_sync_time``: one number per call, in seconds.
+
+    Each is a per-call value (keyword first, then ``outputs``). Over all
+    completions ``x`` of all calls and ranks (``n`` finite values):
 
     ============================================== =====================================
     ``train/{name}_reward``                        Σx / n
@@ -46,7 +58,8 @@ class CompletionRewardMetric(Metric):
     ============================================== =====================================
 
     Sums are float64. Keys appear only when their values were passed (Twinkle
-    reports -1.0 for a missing time). Completions are whole on every CP rank,
+    reports -1.0 for a missing time). Non-finite rewards are left out and
+    counted in ``train/{name}_nonfinite_rewards`` (when > 0). Completions are whole on every CP rank,
     so ``cp_gathered`` defaults to True; like every metric, values passed on
     the last pipeline stage, TP rank 0, count. Every rank must name its
     reward functions in the same order; a conflict raises ``ValueError``.
@@ -61,6 +74,7 @@ class CompletionRewardMetric(Metric):
         self.add_state("reward_sum", "sum", slots)
         self.add_state("reward_square_sum", "sum", slots)
         self.add_state("reward_count", "sum", slots)
+        self.add_state("reward_nonfinite", "sum", slots)
         self.add_state("reward_names", "max", width)  # character codes; -inf: slot unused
         self.add_state("reward_names_min", "min", width)  # equal to reward_names unless ranks disagree
         for name in ("completion_length_sum", "completions", "generate_time_sum", "generate_times",
@@ -68,21 +82,23 @@ class CompletionRewardMetric(Metric):
             self.add_state(name, "sum")
         self._slots: dict[str, int] = {}
 
-    def accumulate(self, inputs: Any = None, outputs: Any = None, *, rewards: Optional[Mapping[str, Any]] = None,
-                   completion_lengths: Any = None, generate_time: Optional[Any] = None,
-                   weight_sync_time: Optional[Any] = None, **kwargs: Any) -> None:
-        if rewards:
-            self._accumulate_rewards(rewards)
-        if completion_lengths is not None:
-            lengths = torch.as_tensor(completion_lengths, dtype=torch.float64).reshape(-1)
+    def accumulate(self, inputs: Any = None, outputs: Any = None, **kwargs: Any) -> None:
+        rewards = call_value("rewards", kwargs, outputs)
+        if rewards is not None:
+            self._accumulate_rewards(rewards if isinstance(rewards, Mapping) else {"": rewards})
+        lengths = call_value("completion_lengths", kwargs, outputs)
+        if lengths is None:
+            completions = call_value("completions", kwargs, outputs)
+            lengths = None if completions is None else [len(completion) for completion in completions]
+        if lengths is not None:
+            lengths = torch.as_tensor(lengths, dtype=torch.float64).reshape(-1)
             self._add("completion_length_sum", lengths.sum())
             self._add("completions", lengths.numel())
-        if generate_time is not None:
-            self._add("generate_time_sum", generate_time)
-            self._add("generate_times", 1.0)
-        if weight_sync_time is not None:
-            self._add("weight_sync_time_sum", weight_sync_time)
-            self._add("weight_sync_times", 1.0)
+        for name in ("generate_time", "weight_sync_time"):
+            seconds = call_value(name, kwargs, outputs, aliases=("generation_time",) if name == "generate_time" else ())
+            if seconds is not None:
+                self._add(f"{name}_sum", seconds)
+                self._add(f"{name}s", 1.0)
 
     def _accumulate_rewards(self, rewards: Mapping[str, Any]) -> None:
         codes = torch.full((self.max_reward_functions, self.max_name_length), float("-inf"), dtype=torch.float64)
@@ -90,17 +106,23 @@ class CompletionRewardMetric(Metric):
                   for name, value in rewards.items()}
         for name, slot in self._slots.items():
             codes[slot] = torch.tensor(_encode(name, self.max_name_length), dtype=torch.float64)
+        if not values:
+            return
         device = next(iter(values.values())).device
-        sums, squares, counts = (torch.zeros(self.max_reward_functions, dtype=torch.float64, device=device)
-                                 for _ in range(3))
+        sums, squares, counts, nonfinite = (torch.zeros(self.max_reward_functions, dtype=torch.float64,
+                                                        device=device) for _ in range(4))
         for slot, value in values.items():
             value = to_device(value, device)
+            finite = torch.isfinite(value)
+            value = torch.where(finite, value, 0.0)
             sums[slot] = value.sum()  # device ops: a tensor of rewards is never read on the host here
             squares[slot] = (value * value).sum()
-            counts[slot] = value.numel()
+            counts[slot] = finite.sum()
+            nonfinite[slot] = (~finite).sum()
         self._add("reward_sum", sums)
         self._add("reward_square_sum", squares)
         self._add("reward_count", counts)
+        self._add("reward_nonfinite", nonfinite)
         self._maximum("reward_names", codes)
         self._minimum("reward_names_min", torch.where(torch.isinf(codes), float("inf"), codes))
 
@@ -129,14 +151,18 @@ class CompletionRewardMetric(Metric):
                 raise ValueError(f"ranks passed reward functions in different orders (slot {slot} holds "
                                  f"{_decode(names[slot])!r} and {_decode(names_min[slot])!r}); pass the same names "
                                  "in the same order on every rank")
+            name = _decode(names[slot])
+            prefix = f"train/{name}_" if name else "train/"  # the unnamed reward of a plain list: train/reward
+            nonfinite = int(states["reward_nonfinite"][slot])
+            if nonfinite:
+                results[f"{prefix}nonfinite_rewards"] = nonfinite
             count = float(states["reward_count"][slot])
             if count == 0:
                 continue
             total, squares = float(states["reward_sum"][slot]), float(states["reward_square_sum"][slot])
-            name = _decode(names[slot])
-            results[f"train/{name}_reward"] = total / count
+            results[f"{prefix}reward"] = total / count
             variance = (squares - total * total / count) / (count - 1) if count > 1 else 0.0
-            results[f"train/{name}_reward_std"] = math.sqrt(max(variance, 0.0))
+            results[f"{prefix}reward_std"] = math.sqrt(max(variance, 0.0))
         if states["completions"] > 0:
             results["train/completion_length"] = states["completion_length_sum"] / states["completions"]
         return results

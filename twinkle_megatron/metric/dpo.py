@@ -5,23 +5,32 @@ the sum of its token log-probs; with CP each rank holds two chunks of every
 sequence and so only a partial sum. Means of sequence log-probs and rewards
 are linear, so each CP rank adds its partial sums and the collection's SUM
 completes them. ``rewards/accuracies`` compares each pair's margin with 0, a
-nonlinearity, and whether a pair counts at all depends on its token count; so
-per microbatch the pairs' partial ``(tokens, margin)`` are summed over the CP
-group first: **one all-reduce of a ``[pairs, 2]`` float64 tensor per
-microbatch**, only when ``cp_size > 1`` and the data is not ``cp_gathered``
-(see :mod:`.grpo` for why this beats per-sequence states or object records).
-Pair counts are then added by CP rank 0 only.
+nonlinearity, and whether a pair counts at all depends on its token count and
+on whether any of its log-probs is non-finite; so per microbatch the pairs'
+partial ``(tokens, margin, non-finite tokens)`` are summed over the CP group
+first: **one all-reduce of a ``[pairs, 3]`` float64 tensor per microbatch**,
+only when ``cp_size > 1`` and the data is local (not complete on every CP
+rank; see :mod:`.context_parallel` and :mod:`.grpo` for why this beats
+per-sequence states or object records). Pair counts are then added by CP rank
+0 only.
+
+**Non-finite log-probs.** A NaN or infinite log-prob (policy or reference) in a
+counted token makes its sequence's log-prob, and so its pair's rewards and
+margin, undefined: the whole pair is left out of every statistic and counted
+in ``nonfinite_pairs`` (leaving out only the token would report a sequence
+log-prob that silently misses a term).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import check_same_shape, microbatches, to_device, token_mask
-from .sequences import as_rows, labels_2d, sum_over_context_parallel
+from .context_parallel import sum_over_context_parallel
+from .inputs import call_value, given, to_device, token_mask
+from .sequences import SequenceBatch, as_rows, sequence_batches
 
 PAIR_LAYOUTS = ("interleaved", "halves")
 
@@ -45,6 +54,7 @@ class DPOMetric(Metric):
     ``rewards/rejected``      mean r_r
     ``rewards/margins``       mean (r_c − r_r)
     ``rewards/accuracies``    mean [r_c − r_r > 0]              (a fraction in [0, 1])
+    ``nonfinite_pairs``       pairs left out for a non-finite log-prob (when > 0)
     ========================= ==========================================
 
     ``pair_layout``: ``'interleaved'`` (Twinkle's ``[c1, r1, c2, r2, …]`` in
@@ -52,9 +62,10 @@ class DPOMetric(Metric):
     ``[c1, …, cn, r1, …, rn]`` in every microbatch). A microbatch with an odd
     number of sequences is a ``ValueError``.
 
-    ``accumulate(inputs, outputs, ref_outputs=None)``: ``outputs['logps']`` and
-    ``ref_outputs['logps']`` (or ``ref_logps=``) shaped like ``labels``, one
-    tensor for the batch or a list per microbatch.
+    ``accumulate(inputs, outputs, *, ref_outputs=None, ref_logps=None, pair_layout=None)``:
+    ``outputs['logps']`` and ``ref_outputs['logps']`` (or ``ref_logps``) shaped
+    like ``labels`` (or gathered over CP while the labels are local, and the
+    reverse), one tensor for the batch or a list per microbatch.
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
@@ -64,73 +75,92 @@ class DPOMetric(Metric):
         self.ignore_index = ignore_index
         self.beta = float(beta)
         self.pair_layout = pair_layout
-        for name in ("pairs", "chosen_logps", "rejected_logps", "ref_pairs", "ref_chosen_logps", "ref_rejected_logps",
+        for name in ("pairs", "nonfinite_pairs", "chosen_logps", "rejected_logps", "ref_pairs", "ref_chosen_logps",
+                     "ref_rejected_logps",
                      "chosen_rewards", "rejected_rewards", "margins", "correct_pairs"):
             self.add_state(name, "sum")
 
-    def accumulate(self, inputs: Any, outputs: Any, *, ref_outputs: Any = None, ref_logps: Any = None,
-                   pair_layout: Optional[str] = None, **kwargs: Any) -> None:
-        if outputs is None or outputs.get("logps") is None:
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        """Add the pairs of a call; ``ref_outputs`` (or ``ref_logps``) and ``pair_layout`` are per-call
+        values (keyword first, then ``outputs``, then the constructor's)."""
+        if outputs is None or not given(outputs.get("logps")):
             return
-        layout = _check_layout(pair_layout or self.pair_layout)
-        if ref_outputs is not None and ref_outputs.get("logps") is not None:
-            ref_logps = ref_outputs["logps"]
-        pairs = microbatches(inputs, {"logps": outputs["logps"], "ref_logps": ref_logps}, ("logps", "ref_logps"))
-        for index, (batch, output) in enumerate(pairs):  # all checks before any state changes
-            _check_microbatch(batch, output, layout, index)
-        for batch, output in pairs:
-            self._accumulate_microbatch(batch, output, layout)
+        layout = _check_layout(call_value("pair_layout", kwargs, outputs, self.pair_layout))
+        ref_outputs = call_value("ref_outputs", kwargs, outputs)
+        ref_logps = ref_outputs.get("logps") if ref_outputs is not None else None
+        ref_logps = ref_logps if given(ref_logps) else call_value("ref_logps", kwargs, outputs)
+        batches = sequence_batches(inputs, {"logps": outputs["logps"], "ref_logps": ref_logps}, "logps",
+                                   ("ref_logps",), {}, self.context, self.cp_gathered, "DPOMetric",
+                                   extra=_reference_logps)
+        for index, batch in enumerate(batches):  # all checks before any state changes
+            sequences = batch.tensors["logps"].shape[0]
+            if sequences % 2:
+                raise ValueError(f"DPOMetric needs whole (chosen, rejected) pairs ({layout} layout), but "
+                                 f"microbatch {index} holds {sequences} sequences (an odd number)")
+        for batch in batches:
+            if batch.counted_here:
+                self._accumulate_microbatch(batch, layout)
 
-    def _accumulate_microbatch(self, batch: Any, output: Any, layout: str) -> None:
-        logps = as_rows(output["logps"])
+    def _accumulate_microbatch(self, batch: SequenceBatch, layout: str) -> None:
+        logps = batch.tensors["logps"]
         device = logps.device
-        labels = to_device(labels_2d(batch, "DPOMetric"), device)
-        completion_mask = batch.get("completion_mask")
+        labels = to_device(batch.tensors["labels"], device)
+        completion_mask = batch.tensors.get("completion_mask")
         if completion_mask is not None:
-            completion_mask = to_device(as_rows(completion_mask), device)
+            completion_mask = to_device(completion_mask, device)
         mask = token_mask(labels, completion_mask, self.ignore_index)
         zero = torch.zeros((), dtype=torch.float64, device=device)
+        policy = logps.to(torch.float64)
+        ref = batch.tensors.get("ref_outputs['logps']")
+        ref = to_device(ref, device).to(torch.float64) if ref is not None else None
+        finite = torch.isfinite(policy) if ref is None else torch.isfinite(policy) & torch.isfinite(ref)
         tokens = mask.sum(-1).to(torch.float64)
-        sequence_logps = torch.where(mask, logps.to(torch.float64), zero).sum(-1)
+        nonfinite = (mask & ~finite).sum(-1).to(torch.float64)
+        sequence_logps = torch.where(mask & finite, policy, zero).sum(-1)
         chosen, rejected = _split_pairs(sequence_logps, layout)
-        chosen_tokens, rejected_tokens = _split_pairs(tokens, layout)
-        pair_tokens = chosen_tokens + rejected_tokens
-
-        ref = output.get("ref_logps")
+        pair_tokens, pair_nonfinite = (sum(_split_pairs(t, layout)) for t in (tokens, nonfinite))
         if ref is not None:
-            ref = to_device(as_rows(ref), device)
-            ref_chosen, ref_rejected = _split_pairs(torch.where(mask, ref.to(torch.float64), zero).sum(-1), layout)
+            ref_chosen, ref_rejected = _split_pairs(torch.where(mask & finite, ref, zero).sum(-1), layout)
             chosen_rewards = self.beta * (chosen - ref_chosen)
             rejected_rewards = self.beta * (rejected - ref_rejected)
             margins = chosen_rewards - rejected_rewards
         else:
             margins = torch.zeros_like(chosen)
-        # Sequence-level: complete each pair's token count and margin over CP before comparing.
-        pair_tokens, full_margins = sum_over_context_parallel(torch.stack([pair_tokens, margins], -1), self.context,
-                                                              self.cp_gathered).unbind(-1)
-        counted = pair_tokens > 0
-        once = 1.0 if self.context.counts_sequences(self.cp_gathered) else 0.0
+        # Sequence-level: complete each pair's counts and margin over CP before comparing.
+        pair_tokens, full_margins, pair_nonfinite = sum_over_context_parallel(
+            torch.stack([pair_tokens, margins, pair_nonfinite], -1), self.context, batch.complete).unbind(-1)
+        clean = pair_nonfinite == 0
+        counted = (pair_tokens > 0) & clean
+        once = 1.0 if batch.complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each pair
+
+        def pooled(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(clean, values, zero).sum()
+
         self._add("pairs", counted.sum() * once)
-        self._add("chosen_logps", chosen.sum())
-        self._add("rejected_logps", rejected.sum())
+        self._add("nonfinite_pairs", ((pair_tokens > 0) & ~clean).sum() * once)
+        self._add("chosen_logps", pooled(chosen))
+        self._add("rejected_logps", pooled(rejected))
         if ref is None:
             return
         self._add("ref_pairs", counted.sum() * once)
-        self._add("ref_chosen_logps", ref_chosen.sum())
-        self._add("ref_rejected_logps", ref_rejected.sum())
-        self._add("chosen_rewards", chosen_rewards.sum())
-        self._add("rejected_rewards", rejected_rewards.sum())
-        self._add("margins", margins.sum())
+        self._add("ref_chosen_logps", pooled(ref_chosen))
+        self._add("ref_rejected_logps", pooled(ref_rejected))
+        self._add("chosen_rewards", pooled(chosen_rewards))
+        self._add("rejected_rewards", pooled(rejected_rewards))
+        self._add("margins", pooled(margins))
         self._add("correct_pairs", (counted & (full_margins > 0)).sum() * once)
 
     def compute(self, states: StateValues) -> dict[str, Number]:
+        results: dict[str, Number] = {}
+        if states["nonfinite_pairs"] > 0:
+            results["nonfinite_pairs"] = int(states["nonfinite_pairs"])
         pairs = states["pairs"]
         if pairs == 0:
-            return {}
-        results: dict[str, Number] = {
+            return results
+        results.update({
             "logps/chosen": states["chosen_logps"] / pairs,
             "logps/rejected": states["rejected_logps"] / pairs,
-        }
+        })
         ref_pairs = states["ref_pairs"]
         if ref_pairs > 0:
             results.update({
@@ -144,17 +174,9 @@ class DPOMetric(Metric):
         return results
 
 
-def _check_microbatch(batch: Any, output: Any, layout: str, index: int) -> None:
-    """``ValueError`` for mismatched shapes or a microbatch that is not made of whole pairs (shapes only)."""
-    labels, logps = labels_2d(batch, "DPOMetric"), as_rows(output["logps"])
-    check_same_shape("labels", labels, "logps", logps)
-    if output.get("ref_logps") is not None:
-        check_same_shape("logps", logps, "ref_outputs['logps']", as_rows(output["ref_logps"]))
-    if batch.get("completion_mask") is not None:
-        check_same_shape("labels", labels, "completion_mask", as_rows(batch["completion_mask"]))
-    if labels.shape[0] % 2:
-        raise ValueError(f"DPOMetric needs whole (chosen, rejected) pairs ({layout} layout), but microbatch "
-                         f"{index} holds {labels.shape[0]} sequences (an odd number)")
+def _reference_logps(batch: Any, output: Any, labels: torch.Tensor) -> dict:
+    ref = output.get("ref_logps")
+    return {} if ref is None else {"ref_outputs['logps']": (as_rows(ref), 1)}
 
 
 def _check_layout(layout: str) -> str:

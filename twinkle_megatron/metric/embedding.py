@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Metric, Number, StateValues
-from .inputs import microbatches, to_device
+from .inputs import call_value, given, microbatches, to_device
 
 
 class EmbeddingMetric(Metric):
@@ -48,9 +48,15 @@ class EmbeddingMetric(Metric):
     ``pos_sim_min``  min  cos(anchor_i, positive_i)
     ``pos_sim_max``  max  cos(anchor_i, positive_i)
     ``neg_sim``      mean cos(anchor_i, positive_j), i ≠ j, within each call's global batch
-    ``loss``         mean of the ``outputs['loss']`` values passed (over calls and ranks)
-    ``grad_norm``    latest value passed (``grad_norm=`` or ``outputs['grad_norm']``), max over ranks
+    ``loss``         mean of the finite ``outputs['loss']`` values passed (over calls and ranks)
+    ``grad_norm``    latest finite value passed (``grad_norm=`` or ``outputs['grad_norm']``), max over ranks
     ================ =========================================================
+
+    Non-finite values are left out and counted: an embedding row with a NaN or
+    infinite entry takes no part (an anchor whose row or whose positive's row
+    is non-finite is skipped, like an unmarked row) and is counted in
+    ``nonfinite_embeddings``; a non-finite loss in ``nonfinite_losses``, a
+    non-finite grad norm in ``nonfinite_grad_norms`` (each when > 0).
 
     ``neg_sim`` is a cosine like ``pos_sim`` (Twinkle uses a raw dot product,
     which agrees only for normalised embeddings). Embeddings
@@ -71,14 +77,21 @@ class EmbeddingMetric(Metric):
         self.add_state("loss_sum", "sum")
         self.add_state("loss_values", "sum")
         self.add_state("grad_norm", "max")
+        for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):
+            self.add_state(name, "sum")
         self._calls: list[tuple] = []  # per call with anchors: call index, Σâ, Σp̂, anchors, Σ cos(â, p̂)
         self._call_count = 0  # calls since the last calculate(): ranks call in lockstep, so indices agree
 
-    def accumulate(self, inputs: Any, outputs: Any, grad_norm: Optional[Any] = None, **kwargs: Any) -> None:
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        """Add one call's anchors (its rows form one in-batch-negatives batch); ``grad_norm`` is a
+        per-call value (keyword first, then ``outputs``)."""
+        grad_norm = call_value("grad_norm", kwargs, outputs)
+        if grad_norm is not None:
+            self._assign_finite("grad_norm", grad_norm, "nonfinite_grad_norms")
         if outputs is None:
             return
-        key = "embeddings" if outputs.get("embeddings") is not None else "logits"
-        if outputs.get(key) is None:
+        key = "embeddings" if given(outputs.get("embeddings")) else "logits"
+        if not given(outputs.get(key)):
             return
         sentences, labels = [], []
         for index, (batch, output) in enumerate(microbatches(inputs, outputs, (key,))):
@@ -92,19 +105,19 @@ class EmbeddingMetric(Metric):
                                  f"but labels has {batch_labels.shape[0]} values (microbatch {index})")
             sentences.append(embeddings)
             labels.append(batch_labels)
-        self._accumulate_call(torch.cat(sentences), torch.cat(labels))
+        if sentences:
+            self._accumulate_call(torch.cat(sentences), torch.cat(labels))
         self._call_count += 1
         self._accumulate_loss(outputs.get("loss"))
-        grad_norm = grad_norm if grad_norm is not None else outputs.get("grad_norm")
-        if grad_norm is not None:
-            self._assign("grad_norm", grad_norm)
 
     def _accumulate_call(self, sentences: torch.Tensor, labels: torch.Tensor) -> None:
+        finite_rows = torch.isfinite(sentences).all(-1)
+        self._add("nonfinite_embeddings", (~finite_rows).sum())
         if sentences.shape[0] < 2:
             return
-        unit = F.normalize(sentences.to(torch.float64), dim=-1)
+        unit = F.normalize(torch.where(finite_rows[:, None], sentences.to(torch.float64), 0.0), dim=-1)
         anchors, positives = unit[:-1], unit[1:]
-        is_anchor = labels[:-1] != 0
+        is_anchor = (labels[:-1] != 0) & finite_rows[:-1] & finite_rows[1:]
         similarity = (anchors * positives).sum(-1)
         zero = torch.zeros((), dtype=torch.float64, device=unit.device)
         positive_sum = torch.where(is_anchor, similarity, zero).sum()
@@ -118,11 +131,14 @@ class EmbeddingMetric(Metric):
                             positive_sum))
 
     def _accumulate_loss(self, loss: Any) -> None:
-        if loss is None:
+        if not given(loss):
             return
         for value in loss if isinstance(loss, (list, tuple)) else [loss]:
-            self._add("loss_sum", self._as_state("loss_sum", value).reshape(()))
-            self._add("loss_values", 1.0)
+            value = self._as_state("loss_sum", value).reshape(())
+            finite = torch.isfinite(value)
+            self._add("loss_sum", torch.where(finite, value, 0.0))
+            self._add("loss_values", finite)
+            self._add("nonfinite_losses", ~finite)
 
     def _local_records(self) -> Optional[list]:
         # calculate() time: reading the per-call sums on the host is allowed here.
@@ -158,6 +174,9 @@ class EmbeddingMetric(Metric):
             results["loss"] = states["loss_sum"] / states["loss_values"]
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
+        for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):
+            if states[name] > 0:
+                results[name] = int(states[name])
         return results
 
     def reset(self) -> None:
@@ -165,14 +184,25 @@ class EmbeddingMetric(Metric):
         self._calls = []
         self._call_count = 0
 
-    def state_dict(self) -> dict[str, Any]:
-        calls = [tuple(v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for v in call)
-                 for call in self._calls]
-        return {**super().state_dict(), "calls": calls, "call_count": self._call_count}
+    def _extra_state(self, states: StateValues) -> dict[str, Any]:
+        """The per-call sums of all ranks, merged per call (the state is layout-free)."""
+        merged: dict[int, list] = {}
+        for call, anchor_sum, positive_sum, anchors, positive_similarity in self.gathered_records:
+            totals = merged.setdefault(call, [torch.zeros(len(anchor_sum), dtype=torch.float64),
+                                              torch.zeros(len(positive_sum), dtype=torch.float64), 0, 0.0])
+            totals[0] += torch.tensor(anchor_sum, dtype=torch.float64)
+            totals[1] += torch.tensor(positive_sum, dtype=torch.float64)
+            totals[2] += anchors
+            totals[3] += positive_similarity
+        return {"calls": [(call, *totals) for call, totals in sorted(merged.items())], "call_count": self._call_count}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue under any layout: the merged per-call sums go to the primary rank only."""
         super().load_state_dict(state_dict)
         device = self._state_device()
-        self._calls = [tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in call)
-                       for call in state_dict.get("calls", [])]
+        calls = state_dict.get("calls", []) if self._is_primary() else []
+        self._calls = [(call, anchor_sum.to(device), positive_sum.to(device),
+                        torch.tensor(float(anchors), dtype=torch.float64),
+                        torch.tensor(float(positive_similarity), dtype=torch.float64))
+                       for call, anchor_sum, positive_sum, anchors, positive_similarity in calls]
         self._call_count = state_dict.get("call_count", 0)

@@ -40,22 +40,17 @@ sequence; anything else is a ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping, Optional
 
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import check_same_shape, microbatches, to_device, token_mask
-from .sequences import (
-    as_rows,
-    global_positions,
-    labels_2d,
-    split_per_microbatch,
-    sum_over_context_parallel,
-    token_values,
-)
-from .token_stats import microbatch_token_stats
+from .context_parallel import global_positions, sum_over_context_parallel
+from .inputs import call_value, check_same_shape, given, to_device, token_mask
+from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
+from .token_stats import check_vocab_size, logits_sequence_dim, logits_token_stats
 
 RECORD_FIELDS = ("kl", "ratio", "logp_new", "logp_old", "token_id", "sequence", "position", "call")
 
@@ -116,7 +111,7 @@ class GRPOMetric(Metric):
         self.epsilon = float(epsilon)
         self.epsilon_high = float(epsilon_high) if epsilon_high is not None else float(epsilon)
         self.top_k_kl = int(top_k_kl)
-        self.vocab_size = vocab_size
+        self.vocab_size = check_vocab_size(vocab_size)
         self.logits_layout = logits_layout
         for name in ("tokens", "new_logp_sum", "entropy_tokens", "entropy_sum", "old_tokens", "old_logp_sum",
                      "logp_diff_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_total", "nonfinite_tokens",
@@ -129,48 +124,53 @@ class GRPOMetric(Metric):
 
     # ------------------------------------------------------------ accumulate
 
-    def accumulate(self, inputs: Any, outputs: Any, *, old_logps: Any = None, advantages: Any = None,
-                   vocab_size: Optional[int] = None, logits_layout: Optional[str] = None, **kwargs: Any) -> None:
-        if outputs is None or outputs.get("logps") is None:
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        """Add a call's microbatches; ``old_logps``, ``advantages``, ``vocab_size``, ``logits_layout``
+        are per-call values (keyword first, then ``outputs``, then the constructor's)."""
+        if outputs is None or not given(outputs.get("logps")):
             return
-        pairs = microbatches(inputs, outputs, ("logps", "entropies", "logits", "token_stats"))
-        shapes = [self._checked_shape(batch, output) for batch, output in pairs]  # before any state changes
-        whole_sequences = self.cp_gathered or self.context.cp_size == 1
-        old_per_batch = split_per_microbatch(old_logps, "old_logps", shapes, whole_sequences)
-        advantages_per_batch = split_per_microbatch(advantages, "advantages", shapes, whole_sequences)
-        first_sequence = 0
-        for (batch, output), old, advantage, shape in zip(pairs, old_per_batch, advantages_per_batch, shapes):
-            self._accumulate_microbatch(batch, output, old, advantage, first_sequence,
-                                        vocab_size or self.vocab_size, logits_layout or self.logits_layout)
-            first_sequence += shape[0]
-        self._sequences_per_call.append(first_sequence)
+        old_logps = call_value("old_logps", kwargs, outputs)
+        advantages = call_value("advantages", kwargs, outputs)
+        vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
+        layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
+        batches = sequence_batches(inputs, outputs, "logps", ("entropies", "logits", "token_stats"),
+                                   {"old_logps": old_logps, "advantages": advantages}, self.context,
+                                   self.cp_gathered, type(self).__name__,
+                                   extra=functools.partial(self._per_token_extras, layout))
+        for batch in batches:
+            if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
+                global_positions(batch.tensors["logps"].shape[-1], self.context, batch.complete)
+            stats = batch.output.get("token_stats")
+            if stats is not None and "entropies" not in batch.tensors:
+                check_same_shape("logps", batch.tensors["logps"], "token_stats", as_rows(stats.entropy))
+        for batch in batches:
+            if batch.counted_here:
+                self._accumulate_microbatch(batch, vocab_size, layout)
+        self._sequences_per_call.append(sum(batch.tensors["logps"].shape[0] for batch in batches))
 
-    def _checked_shape(self, batch: Any, output: Any) -> tuple[int, ...]:
-        """The microbatch's ``[sequences, length]``; ``ValueError`` when a per-token tensor disagrees."""
-        labels, logps = labels_2d(batch, type(self).__name__), as_rows(output["logps"])
-        check_same_shape("labels", labels, "logps", logps)
+    @staticmethod
+    def _per_token_extras(layout: Optional[str], batch: Any, output: Any, labels: torch.Tensor) -> dict:
+        """The entropy's source, matched under CP with the log-probs: given entropies, else the logits."""
         if output.get("entropies") is not None:
-            check_same_shape("labels", labels, "entropies", as_rows(output["entropies"]))
-        if batch.get("completion_mask") is not None:
-            check_same_shape("labels", labels, "completion_mask", as_rows(batch["completion_mask"]))
-        if self.top_k_kl > 0:
-            global_positions(logps.shape[-1], self.context, self.cp_gathered)  # raises for an odd CP chunk pair
-        return tuple(logps.shape)
+            return {"entropies": (as_rows(output["entropies"]), 1)}
+        if output.get("logits") is not None:
+            return {"logits": (output["logits"], logits_sequence_dim(output["logits"], labels, layout))}
+        return {}
 
-    def _accumulate_microbatch(self, batch: Any, output: Any, old: Any, advantage: Any, first_sequence: int,
-                               vocab_size: Optional[int], logits_layout: Optional[str]) -> None:
-        logps = as_rows(output["logps"])
+    def _accumulate_microbatch(self, batch: SequenceBatch, vocab_size: Optional[int], layout: Optional[str]) -> None:
+        old, advantage = batch.per_sequence["old_logps"], batch.per_sequence["advantages"]
+        logps = batch.tensors["logps"]
         device = logps.device
-        labels = to_device(labels_2d(batch, type(self).__name__), device)
-        completion_mask = batch.get("completion_mask")
+        labels = to_device(batch.tensors["labels"], device)
+        completion_mask = batch.tensors.get("completion_mask")
         if completion_mask is not None:
-            completion_mask = to_device(as_rows(completion_mask), device)
+            completion_mask = to_device(completion_mask, device)
         mask = token_mask(labels, completion_mask, self.ignore_index)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale
         finite = torch.isfinite(new)
 
-        entropy = self._entropy(batch, output, labels, vocab_size, logits_layout)
+        entropy = self._entropy(batch, labels, vocab_size, layout)
         if entropy is not None:
             finite &= torch.isfinite(entropy)
         old_tokens = advantage_tokens = None
@@ -206,25 +206,28 @@ class GRPOMetric(Metric):
             self._maximum("token_kl_max", torch.where(valid, kl, minus_inf).max())
             self._maximum("token_ratio_max", torch.where(valid, ratio, minus_inf).max())
         if advantage_tokens is not None:
-            low, high, total = self._clip_counts(log_ratio, advantage_tokens, valid)
+            low, high, total = self._clip_counts(log_ratio, advantage_tokens, valid, batch.complete)
             self._add("clip_low", low)
             self._add("clip_high", high)
             self._add("clip_total", total)
         if self.top_k_kl > 0:
-            self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, first_sequence)
+            self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.complete)
 
-    def _entropy(self, batch: Any, output: Any, labels: torch.Tensor, vocab_size: Optional[int],
-                 logits_layout: Optional[str]) -> Optional[torch.Tensor]:
+    def _entropy(self, batch: SequenceBatch, labels: torch.Tensor, vocab_size: Optional[int],
+                 layout: Optional[str]) -> Optional[torch.Tensor]:
         """Per-token entropy shaped like ``labels``: given, or from the (vocab-parallel) logits."""
-        if output.get("entropies") is not None:
-            return to_device(as_rows(output["entropies"]), labels.device)
-        if output.get("logits") is None and output.get("token_stats") is None:
+        if "entropies" in batch.tensors:
+            return to_device(batch.tensors["entropies"], labels.device)
+        if batch.output.get("token_stats") is not None:
+            return to_device(batch.output["token_stats"].entropy.reshape(labels.shape), labels.device)
+        if "logits" not in batch.tensors:
             return None
-        stats = microbatch_token_stats(batch, output, self.context, vocab_size, logits_layout, self.ignore_index)
+        stats = logits_token_stats(batch.tensors["logits"], batch.tensors["labels"].reshape(labels.shape), self.context,
+                                   vocab_size, layout, self.ignore_index, cache_key=id(batch.output["logits"]))
         return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
-    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor,
-                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                     complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(clipped low, clipped high, out of): token-level, gated by the advantage sign."""
         ratio = torch.exp(log_ratio)
         low = valid & (ratio < 1 - self.epsilon) & (advantages < 0)
@@ -234,7 +237,7 @@ class GRPOMetric(Metric):
     # ------------------------------------------------------ top-K KL records
 
     def _keep_top_kl(self, kl: torch.Tensor, ratio: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
-                     labels: torch.Tensor, valid: torch.Tensor, first_sequence: int) -> None:
+                     labels: torch.Tensor, valid: torch.Tensor, first_sequence: int, complete: bool) -> None:
         """Merge this microbatch's highest-k3 tokens into the running top K (device ops only)."""
         sequence_length = kl.shape[-1]
         candidates = torch.where(valid, kl, torch.full_like(kl, float("-inf"))).reshape(-1)
@@ -243,7 +246,7 @@ class GRPOMetric(Metric):
             return
         top, index = candidates.topk(k)
         rows, columns = index // sequence_length, index % sequence_length
-        positions = global_positions(sequence_length, self.context, self.cp_gathered, kl.device)
+        positions = global_positions(sequence_length, self.context, complete, kl.device)
         fields = torch.stack([
             top, ratio.reshape(-1)[index], new.reshape(-1)[index], old.reshape(-1)[index],
             labels.reshape(-1)[index].to(torch.float64), (rows + first_sequence).to(torch.float64),
@@ -328,15 +331,29 @@ class GRPOMetric(Metric):
         self._top_kl = None
         self._sequences_per_call = []
 
-    def state_dict(self) -> dict[str, Any]:
-        top_kl = None if self._top_kl is None else self._top_kl.detach().cpu().clone()
-        return {**super().state_dict(), "top_kl": top_kl, "sequences_per_call": list(self._sequences_per_call)}
+    def _extra_state(self, states: StateValues) -> dict[str, Any]:
+        """The global top-K tokens so far (sequence indices in the global batch) and the sequences seen."""
+        if self.top_k_kl <= 0:
+            return {}
+        sequences = sum({(r[1], r[2]): r[3] for r in self.gathered_records if r[0] == "sequences"}.values())
+        return {"top_kl": self._global_top_kl(), "sequences": sequences}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue under any layout: the saved top-K and sequence count become one earlier call of
+        the primary rank (see :meth:`Metric.load_state_dict`), so new sequences are numbered after them."""
         super().load_state_dict(state_dict)
-        top_kl = state_dict.get("top_kl")
-        self._top_kl = None if top_kl is None else top_kl.to(self._state_device())
-        self._sequences_per_call = list(state_dict.get("sequences_per_call", []))
+        self._top_kl, self._sequences_per_call = None, []
+        if self.top_k_kl <= 0 or "sequences" not in state_dict:
+            return
+        primary = self._is_primary()
+        self._sequences_per_call = [int(state_dict["sequences"]) if primary else 0]
+        records = state_dict["top_kl"] if primary else []
+        if records:
+            fields = {"kl": "kl", "ratio": "ratio", "logp_new": "logp_new", "logp_old": "logp_old",
+                      "token_id": "token_id", "sequence": "gsi", "position": "pos"}
+            rows = [[float(record[fields[name]]) if name in fields else 0.0 for name in RECORD_FIELDS]
+                    for record in records]
+            self._top_kl = torch.tensor(rows, dtype=torch.float64, device=self._state_device())
 
 
 class GSPOMetric(GRPOMetric):
@@ -354,17 +371,16 @@ class GSPOMetric(GRPOMetric):
     the module docstring). The other keys are :class:`GRPOMetric`'s.
     """
 
-    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor,
-                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                     complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         weights = valid.to(torch.float64)
         partial = torch.stack([(log_ratio * weights).sum(-1), weights.sum(-1), (advantages * weights).sum(-1)], -1)
-        log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context,
-                                                                         self.cp_gathered).unbind(-1)
+        log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context, complete).unbind(-1)
         ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1.0))
         counted = tokens > 0
         low = counted & (ratio < 1 - self.epsilon) & (advantage_sum < 0)
         high = counted & (ratio > 1 + self.epsilon_high) & (advantage_sum > 0)
-        once = 1.0 if self.context.counts_sequences(self.cp_gathered) else 0.0
+        once = 1.0 if complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each sequence
         return low.sum() * once, high.sum() * once, counted.sum() * once
 
 
@@ -377,9 +393,13 @@ class CISPOMetric(GRPOMetric):
     clip rate is only reported when advantages are passed).
     """
 
-    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor,
-                     valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                     complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ratio = torch.exp(log_ratio)
         low = valid & (ratio < 1 - self.epsilon)
         high = valid & (ratio > 1 + self.epsilon_high)
         return low.sum(), high.sum(), valid.sum()
+
+
+class PPOMetric(GRPOMetric):
+    """Twinkle's ``PPOMetric``: the policy side of PPO, with :class:`GRPOMetric`'s token-level keys."""

@@ -4,7 +4,14 @@
 microbatch (what Megatron's pipeline schedules produce). Each output value is
 either a list with one entry per microbatch or one value for the whole batch;
 in the second case the microbatches' inputs are concatenated along the batch
-dimension so that inputs and outputs describe the same tokens.
+dimension so that inputs and outputs describe the same tokens. An empty list
+(what Twinkle's Megatron model gives earlier pipeline stages for ``logits``)
+or ``None`` means "not given".
+
+Per-call values (``lr``, ``step``, ``grad_norm``, ``loss_reduction``,
+``old_logps``, rewards, ...) are read by :func:`call_value`: the ``accumulate``
+keyword first (Twinkle's models pass them so), then ``outputs``, then the
+metric's constructor default.
 """
 
 from __future__ import annotations
@@ -14,6 +21,29 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 
 MicroBatch = tuple[Mapping[str, Any], dict[str, Any]]
+
+
+def given(value: Any) -> bool:
+    """A value was passed: not None, not an empty list, not Twinkle's ``...`` placeholder."""
+    if value is None or value is Ellipsis:
+        return False
+    return not (isinstance(value, (list, tuple)) and len(value) == 0 and not hasattr(value, "_fields"))
+
+
+def call_value(name: str, kwargs: Mapping[str, Any], outputs: Optional[Mapping[str, Any]] = None,
+               default: Any = None, aliases: Sequence[str] = ()) -> Any:
+    """A per-call value: ``kwargs[name]`` first, then ``outputs[name]``, then ``default``.
+
+    ``aliases`` are other names of the same value, looked up after ``name`` in
+    each place (Twinkle's docs and code differ: ``generation_time`` /
+    ``generate_time``). Values that are not :func:`given` are skipped.
+    """
+    for source in (kwargs, outputs if outputs is not None else {}):
+        for key in (name, *aliases):
+            value = source.get(key)
+            if given(value):
+                return value
+    return default
 
 
 def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequence[str]) -> list[MicroBatch]:
@@ -27,7 +57,7 @@ def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequen
         if not isinstance(batch, Mapping):
             raise ValueError(f"inputs[{index}] is a {type(batch).__name__}; expected a mapping (InputFeature)")
     outputs = outputs or {}
-    present = {key: outputs[key] for key in keys if key in outputs and outputs[key] is not None}
+    present = {key: outputs[key] for key in keys if key in outputs and given(outputs[key])}
     listed = {k: v for k, v in present.items() if _per_microbatch(v)}
     whole = {k: v for k, v in present.items() if k not in listed}
     for key, value in listed.items():

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
-from ..ops import TokenStats
 from .base import Metric, Number, StateValues
-from .inputs import microbatches, token_mask
-from .token_stats import TokenClasses, classify_tokens, microbatch_token_stats
+from .inputs import call_value, microbatches, token_mask
+from .token_stats import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
 
 
 class LogitsMetric(Metric):
@@ -27,25 +26,35 @@ class LogitsMetric(Metric):
                  **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.ignore_index = ignore_index
-        self.vocab_size = vocab_size
+        self.vocab_size = check_vocab_size(vocab_size)
         self.logits_layout = logits_layout
         self.strict = strict
         self.add_state("nonfinite_tokens", "sum")
         self.add_state("invalid_labels", "sum")
 
-    def _token_batches(self, inputs: Any, outputs: Any, vocab_size: Optional[int] = None,
-                       logits_layout: Optional[str] = None) -> Iterator[tuple[dict, TokenStats, TokenClasses]]:
-        """(microbatch inputs, statistics, classes) for each microbatch that has logits or statistics."""
-        if outputs is None or (outputs.get("logits") is None and outputs.get("token_stats") is None):
+    def _token_batches(self, inputs: Any, outputs: Any,
+                       kwargs: Mapping[str, Any]) -> Iterator[tuple[TokenBatch, TokenClasses]]:
+        """(aligned microbatch, classes) for each microbatch that has logits or statistics and counts here.
+
+        ``vocab_size`` and ``logits_layout`` are per-call values (keyword, then
+        outputs, then the constructor's).
+        """
+        if outputs is None:
             return
+        vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
+        layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
         for batch, output in microbatches(inputs, outputs, ("logits", "token_stats")):
-            stats = microbatch_token_stats(batch, output, self.context, vocab_size or self.vocab_size,
-                                           logits_layout or self.logits_layout, self.ignore_index)
-            labels = batch["labels"]
-            classes = classify_tokens(stats, token_mask(labels, batch.get("completion_mask"), self.ignore_index))
+            if "logits" not in output and "token_stats" not in output:
+                continue
+            aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
+                                             self.cp_gathered)
+            if not aligned.counted_here:
+                continue
+            mask = token_mask(aligned.labels, aligned.completion_mask, self.ignore_index)
+            classes = classify_tokens(aligned.stats, mask)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
-            yield batch, stats, classes
+            yield aligned, classes
 
     def _token_problems(self, states: StateValues) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

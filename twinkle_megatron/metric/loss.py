@@ -7,7 +7,8 @@ from typing import Any, Optional
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import check_same_shape, count_tokens, microbatches, to_device, token_mask
+from .context_parallel import align_to_cp_rank, local_sequence_length
+from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -15,73 +16,94 @@ _REDUCTIONS = ("mean", "sum")
 class LossMetric(Metric):
     """Loss and gradient norm, Twinkle's ``LossMetric`` with Megatron's pooling.
 
-    ``loss_reduction='sum'`` (Megatron-LM's per-token loss): each microbatch
-    passes the *sum* of its token losses and its token count ``num_tokens``
-    (from outputs, the ``num_tokens`` keyword, or ``labels != ignore_index``):
+    ``loss_reduction='sum'`` (Megatron-LM's per-token loss, and what Twinkle's
+    Transformers model passes as a keyword): each microbatch passes the *sum* of
+    its token losses and its token count ``num_tokens`` (from outputs, the
+    ``num_tokens`` keyword, or ``labels != ignore_index``):
 
         loss = Σ loss_sum / Σ num_tokens     (sum over microbatches and DP×CP ranks)
 
-    ``loss_reduction='mean'``: each microbatch passes a mean; they are averaged
-    with equal weight (no counts exist to weight them), so a loss already
-    averaged over DP stays the same:
+    ``loss_reduction='mean'`` (the default, as in Twinkle): each microbatch passes
+    a mean; they are averaged with equal weight (no counts exist to weight
+    them), so a loss already averaged over DP×CP (Twinkle's Megatron model
+    passes one) stays the same:
 
         loss = Σ loss_mean / number of values passed
 
-    Only the last pipeline stage and TP rank 0 count (TP ranks repeat the loss).
-    A non-finite loss value is left out of the mean and counted in
-    ``nonfinite_losses``. ``grad_norm`` is the latest value passed, max over ranks.
+    Per-token losses shaped like ``labels`` are pooled over the unmasked tokens
+    whatever ``loss_reduction`` says. Only the last pipeline stage and TP rank 0
+    count (TP ranks repeat the loss).
 
-    Results: ``loss``, ``grad_norm`` (when given), ``nonfinite_losses`` (when > 0).
+    A non-finite loss value (or token loss) is left out and counted in
+    ``nonfinite_losses``; ``grad_norm`` is the latest finite value passed (max
+    over ranks), a non-finite one is counted in ``nonfinite_grad_norms``.
+
+    ``accumulate(inputs, outputs, *, loss_reduction=None, num_tokens=None, grad_norm=None)``:
+    each keyword wins over ``outputs[...]`` of the same name, which wins over the
+    constructor's default; any other keyword (Twinkle passes ``lr``, ``step``…)
+    is ignored.
+
+    Results: ``loss`` (when any token or value counted), ``grad_norm`` (when
+    given), ``nonfinite_losses`` / ``nonfinite_grad_norms`` (when > 0); ``{}``
+    when nothing was passed.
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, loss_reduction: str = "mean",
                  ignore_index: int = -100, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
-        if loss_reduction not in _REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}")
-        self.loss_reduction = loss_reduction
+        self.loss_reduction = _check_reduction(loss_reduction)
         self.ignore_index = ignore_index
         self.add_state("loss_sum", "sum")
         self.add_state("weight", "sum")  # tokens ('sum') or values ('mean') behind loss_sum
-        self.add_state("values", "sum")  # loss values passed, finite or not
         self.add_state("nonfinite_losses", "sum")
+        self.add_state("nonfinite_grad_norms", "sum")
         self.add_state("grad_norm", "max")
 
-    def accumulate(self, inputs: Any, outputs: Any, num_tokens: Optional[Any] = None, **kwargs: Any) -> None:
-        """Add the loss of each microbatch.
-
-        ``outputs['loss']`` is one value per microbatch (a tensor, a number, or a
-        list of them), or per-token losses shaped like ``labels``, which are
-        pooled over the unmasked tokens whatever ``loss_reduction`` says.
-        """
-        if outputs is None or outputs.get("loss") is None:
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        """Add the loss of each microbatch (one value per microbatch, a list of them, or per-token losses)."""
+        grad_norm = call_value("grad_norm", kwargs, outputs)
+        if grad_norm is not None:
+            self._assign_finite("grad_norm", grad_norm, "nonfinite_grad_norms")
+        loss = call_value("loss", kwargs, outputs)
+        if loss is None:
             return
-        for batch, output in microbatches(inputs, outputs, ("loss", "num_tokens")):
+        reduction = _check_reduction(call_value("loss_reduction", kwargs, outputs, self.loss_reduction))
+        num_tokens = call_value("num_tokens", kwargs, outputs)
+        given = {"loss": loss} if num_tokens is None else {"loss": loss, "num_tokens": num_tokens}
+        for batch, output in microbatches(inputs, given, ("loss", "num_tokens")):
             loss = self._as_state("loss_sum", output["loss"])
             if loss.numel() == 1:
                 loss = loss.reshape(())
                 valid = torch.isfinite(loss)
-                if self.loss_reduction == "sum":
-                    weight = self._as_state("weight", self._num_tokens(batch, output.get("num_tokens", num_tokens)))
-                else:
-                    weight = torch.ones_like(loss)
+                weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
+                          if reduction == "sum" else torch.ones_like(loss))
                 nonfinite = ~valid
             else:
-                labels = batch.get("labels")
-                if labels is None:
-                    raise ValueError("per-token losses need inputs['labels'] to mask them")
-                check_same_shape("loss", loss, "labels", labels)
-                mask = to_device(token_mask(labels, batch.get("completion_mask"), self.ignore_index), loss.device)
-                valid = mask & torch.isfinite(loss)
+                valid, nonfinite = self._token_losses(batch, loss)
+                if valid is None:
+                    continue
                 weight = valid.to(torch.float64)
-                nonfinite = (mask & ~valid).sum()
             self._add("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)).sum())
             self._add("weight", torch.where(valid, weight, torch.zeros_like(weight)).sum())
-            self._add("values", 1.0)
-            self._add("nonfinite_losses", nonfinite.to(torch.float64))
-        grad_norm = outputs.get("grad_norm")
-        if grad_norm is not None:
-            self._assign("grad_norm", grad_norm)
+            self._add("nonfinite_losses", nonfinite.sum())
+
+    def _token_losses(self, batch: Any, loss: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(counted finite tokens, counted non-finite tokens) of per-token losses; (None, None) off CP rank 0
+        for losses complete on every CP rank."""
+        labels = batch.get("labels")
+        if labels is None:
+            raise ValueError("per-token losses need inputs['labels'] to mask them")
+        tensors = {"loss": (loss, loss.dim() - 1), "labels": (labels, labels.dim() - 1)}
+        if batch.get("completion_mask") is not None:
+            tensors["completion_mask"] = (batch["completion_mask"], batch["completion_mask"].dim() - 1)
+        aligned = align_to_cp_rank(tensors, self.context, self.cp_gathered, local_sequence_length(batch))
+        loss, labels = aligned.tensors["loss"], aligned.tensors["labels"]
+        check_same_shape("loss", loss, "labels", labels)
+        if not aligned.counted_here(self.context):
+            return None, None
+        mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index), loss.device)
+        valid = mask & torch.isfinite(loss)
+        return valid, mask & ~valid
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:
@@ -92,14 +114,18 @@ class LossMetric(Metric):
         return count_tokens(batch, self.ignore_index)
 
     def compute(self, states: StateValues) -> dict[str, Number]:
-        if states["values"] == 0:
-            return {}
-        results: dict[str, Number] = {
-            "loss": states["loss_sum"] / states["weight"] if states["weight"] > 0 else float("nan"),
-        }
+        results: dict[str, Number] = {}
+        if states["weight"] > 0:
+            results["loss"] = states["loss_sum"] / states["weight"]
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
-        if states["nonfinite_losses"] > 0:
-            results["nonfinite_losses"] = int(states["nonfinite_losses"])
+        for name in ("nonfinite_losses", "nonfinite_grad_norms"):
+            if states[name] > 0:
+                results[name] = int(states[name])
         return results
 
+
+def _check_reduction(loss_reduction: str) -> str:
+    if loss_reduction not in _REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {_REDUCTIONS}, got {loss_reduction!r}")
+    return loss_reduction

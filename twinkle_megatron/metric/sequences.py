@@ -1,49 +1,21 @@
-"""Per-sequence data: Twinkle's ragged per-sequence lists, CP partial sums and global positions.
+"""Per-sequence data: Twinkle's ragged per-sequence lists as per-token device tensors.
 
-The one place for what sequence-level metrics (GRPO/GSPO/CISPO, DPO) share:
-turning ``old_logps`` / ``advantages`` given per sequence into per-token device
-tensors, completing sequence sums over the context-parallel group before a
-nonlinearity, and locating CP chunks in the whole sequence.
+The one place for what sequence-level metrics (GRPO/GSPO/CISPO, PPO, DPO)
+share: turning ``old_logps`` / ``advantages`` given per sequence into per-token
+device tensors, and splitting a whole call's per-sequence values by microbatch.
+Context parallelism is in :mod:`.context_parallel`.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..parallel import ParallelContext
-from .inputs import to_device
-
-
-def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, cp_gathered: bool) -> torch.Tensor:
-    """``tensor`` summed over the CP group when each CP rank holds chunks of the sequences.
-
-    One all-reduce (no host sync) when ``cp_size > 1`` and not ``cp_gathered``;
-    otherwise ``tensor`` itself. Every CP rank of the group must call it for the
-    same microbatch, as every CP rank runs the same microbatches.
-    """
-    if context.cp_size == 1 or cp_gathered or not context.distributed:
-        return tensor
-    tensor = tensor.contiguous().clone()
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=context.cp_group)
-    return tensor
-
-
-def global_positions(local_length: int, context: ParallelContext, cp_gathered: bool,
-                     device: Union[str, torch.device, None] = None) -> torch.Tensor:
-    """Position in the whole sequence of each local position (Megatron's CP chunks ``i`` and ``2·cp−1−i``)."""
-    positions = torch.arange(local_length, device=device)
-    if context.cp_size == 1 or cp_gathered:
-        return positions
-    if local_length % 2:
-        raise ValueError(f"a context-parallel rank holds two equal chunks of each sequence, but the local "
-                         f"sequence length is {local_length} (odd)")
-    half, cp_rank = local_length // 2, context.cp_rank
-    second = 2 * context.cp_size - 1 - cp_rank
-    return torch.where(positions < half, cp_rank * half + positions, second * half + positions - half)
+from .context_parallel import SequenceTensors, align_to_cp_rank, local_sequence_length
+from .inputs import check_same_shape, microbatches, to_device
 
 
 def split_per_microbatch(values: Any, name: str, shapes: Sequence[tuple[int, ...]],
@@ -158,3 +130,56 @@ def labels_2d(batch: Any, metric: str) -> torch.Tensor:
     if labels is None:
         raise ValueError(f"{metric} needs inputs['labels']")
     return as_rows(labels)
+
+
+class SequenceBatch(NamedTuple):
+    """One microbatch of a sequence-level metric, matched under CP, with its share of per-sequence values."""
+
+    tensors: dict[str, torch.Tensor]  # the anchor, labels, completion_mask, extras: [sequences, length]
+    output: Mapping[str, Any]
+    per_sequence: dict[str, Any]  # this microbatch's entries of each per-call per-sequence value
+    first_sequence: int  # index of its first sequence among the call's sequences
+    complete: bool  # whole sequences on every CP rank (see CPAlignment)
+    counted_here: bool
+
+
+ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], SequenceTensors]
+
+
+def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, output_keys: Sequence[str],
+                     per_sequence: Mapping[str, Any], context: ParallelContext, cp_gathered: Optional[bool],
+                     metric: str, extra: Optional[ExtraTensors] = None) -> list[SequenceBatch]:
+    """The microbatches of one ``accumulate`` call of a sequence-level metric, all checked first.
+
+    ``anchor`` is the per-token output the metric is about (``logps``,
+    ``values``), ``output_keys`` other outputs to pair per microbatch,
+    ``per_sequence`` the call's per-sequence values by name (split with
+    :func:`split_per_microbatch`), ``extra(batch, output, labels)`` more per-token
+    tensors to match under CP. Every shape is checked (``ValueError``) before the
+    caller changes any state.
+    """
+    pairs = microbatches(inputs, outputs, (anchor, *output_keys))
+    aligned = []
+    for batch, output in pairs:
+        labels = labels_2d(batch, metric)
+        tensors: SequenceTensors = {anchor: (as_rows(output[anchor]), 1), "labels": (labels, 1)}
+        if batch.get("completion_mask") is not None:
+            tensors["completion_mask"] = (as_rows(batch["completion_mask"]), 1)
+        if extra is not None:
+            tensors.update(extra(batch, output, labels))
+        cp = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
+        labels = cp.tensors["labels"]
+        for name, tensor in cp.tensors.items():
+            if name != "labels" and tensor.dim() == 2:
+                check_same_shape("labels", labels, name, tensor)
+        aligned.append(cp)
+    shapes = [tuple(cp.tensors[anchor].shape) for cp in aligned]
+    whole_sequences = all(cp.complete for cp in aligned)
+    pieces = {name: split_per_microbatch(values, name, shapes, whole_sequences)
+              for name, values in per_sequence.items()}
+    batches, first_sequence = [], 0
+    for index, ((_, output), cp) in enumerate(zip(pairs, aligned)):
+        batches.append(SequenceBatch(cp.tensors, output, {name: piece[index] for name, piece in pieces.items()},
+                                     first_sequence, cp.complete, cp.counted_here(context)))
+        first_sequence += shapes[index][0]
+    return batches

@@ -20,6 +20,7 @@ import torch
 
 from ..ops import TokenStats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
+from .context_parallel import align_to_cp_rank, local_sequence_length
 from .inputs import to_device
 
 LAYOUTS = ("bsv", "sbv")
@@ -60,15 +61,16 @@ def resolve_layout(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[
 
 def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: ParallelContext,
                        vocab_size: Optional[int] = None, layout: Optional[str] = None,
-                       ignore_index: int = -100) -> TokenStats:
+                       ignore_index: int = -100, cache_key: Optional[int] = None) -> TokenStats:
     """argmax, label log-prob and entropy of each token, shaped like ``labels``.
 
     ``logits`` is this rank's vocab shard when ``context.tp_size > 1``.
+    ``cache_key`` identifies the caller's logits when ``logits`` is a CP cut of them.
     """
     layout = resolve_layout(logits, labels, layout)
     # The logits identify the microbatch: every metric of a collection gets the same inputs, so
     # the labels paired with these logits are the same (possibly re-concatenated) tokens.
-    key = (id(logits), vocab_size, layout, ignore_index)
+    key = (id(logits) if cache_key is None else cache_key, vocab_size, layout, ignore_index)
     cache = _cache.get()
     if cache is not None and key in cache:
         return cache[key]
@@ -84,21 +86,69 @@ def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: Para
     return stats
 
 
+class TokenBatch(NamedTuple):
+    """One microbatch of a logits-reading metric: labels and mask aligned with the statistics."""
+
+    labels: torch.Tensor
+    completion_mask: Optional[torch.Tensor]
+    stats: TokenStats
+    counted_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
+
+
+def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
+    """``vocab_size`` if it is None or a positive int; ``ValueError`` otherwise (per call as in constructors)."""
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    return vocab_size
+
+
 def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], context: ParallelContext,
                            vocab_size: Optional[int] = None, layout: Optional[str] = None,
-                           ignore_index: int = -100) -> TokenStats:
-    """The token statistics of one microbatch: ``output['token_stats']`` when a hook already
-    computed them (shaped like the labels), else computed from ``output['logits']``."""
+                           ignore_index: int = -100, cp_gathered: Optional[bool] = None) -> TokenBatch:
+    """The token statistics of one microbatch, with its labels and mask aligned to them.
+
+    ``output['token_stats']`` when a hook already computed them (shaped like the
+    labels), else computed from ``output['logits']`` (this rank's vocab shard).
+    Under context parallelism, labels gathered over CP (Twinkle's Megatron model)
+    with this rank's logits, or the reverse, are cut to this rank's chunks
+    (:func:`.context_parallel.align_to_cp_rank`).
+    """
     labels = batch.get("labels")
     if labels is None:
         raise ValueError("token statistics need inputs['labels']")
+    labels = labels if isinstance(labels, torch.Tensor) else torch.as_tensor(labels)
+    completion_mask = batch.get("completion_mask")
     stats = output.get("token_stats")
     if stats is not None:
         if tuple(stats.argmax.shape) != tuple(labels.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)} but token_stats has shape "
                              f"{tuple(stats.argmax.shape)}")
-        return stats
-    return logits_token_stats(output["logits"], labels, context, vocab_size, layout, ignore_index)
+        return TokenBatch(labels, completion_mask, stats, True)
+    logits = output["logits"]
+    tensors = {"logits": (logits, logits_sequence_dim(logits, labels, layout)), "labels": (labels, labels.dim() - 1)}
+    if completion_mask is not None:
+        tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
+    if logits.dim() == 2 and len({t.shape[d] for t, d in tensors.values()}) > 1:
+        raise ValueError(f"packed logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ in length: "
+                         "under context parallelism packed sequences are split per sequence, so pass the labels "
+                         "of this rank's chunks")
+    aligned = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
+    labels, completion_mask = aligned.tensors["labels"], aligned.tensors.get("completion_mask")
+    if not aligned.counted_here(context):
+        return TokenBatch(labels, completion_mask, None, False)
+    stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
+                               cache_key=id(logits))
+    return TokenBatch(labels, completion_mask, stats, True)
+
+
+def logits_sequence_dim(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str]) -> int:
+    """The logits' sequence dimension: 1 for ``[b, s, v]``, 0 for ``[s, b, v]`` and packed ``[t, v]``."""
+    if logits.dim() != 3 or labels.dim() != 2:
+        return 0
+    if layout is None and tuple(logits.shape[:2]) != tuple(labels.shape):
+        # Lengths may differ by the CP factor; the batch dimension tells the layout apart.
+        layout = "sbv" if logits.shape[1] == labels.shape[0] and logits.shape[0] != labels.shape[0] else "bsv"
+    return 0 if layout == "sbv" else 1
 
 
 class TokenClasses(NamedTuple):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -32,21 +32,17 @@ class TokenStatsMetric(LogitsMetric):
         self.add_state("entropy_sum", "sum")
         self.add_state("tokens", "sum")
 
-    def accumulate(self, inputs: Any, outputs: Any, vocab_size: Optional[int] = None,
-                   logits_layout: Optional[str] = None, **kwargs: Any) -> None:
-        for _, stats, classes in self._token_batches(inputs, outputs, vocab_size, logits_layout):
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        for batch, classes in self._token_batches(inputs, outputs, kwargs):
+            stats = batch.stats
             zero = torch.zeros((), dtype=stats.entropy.dtype, device=stats.entropy.device)
             self._add("logprob_sum", torch.where(classes.counted, stats.logprobs, zero).sum(dtype=torch.float64))
             self._add("entropy_sum", torch.where(classes.counted, stats.entropy, zero).sum(dtype=torch.float64))
             self._add("tokens", classes.counted.sum())
 
     def compute(self, states: StateValues) -> dict[str, Number]:
-        problems = self._token_problems(states)
+        results = self._token_problems(states)
         tokens = states["tokens"]
-        if tokens == 0 and not problems:
-            return {}
-        return {
-            "logprob": states["logprob_sum"] / tokens if tokens else float("nan"),
-            "entropy": states["entropy_sum"] / tokens if tokens else float("nan"),
-            **problems,
-        }
+        if tokens > 0:
+            results.update(logprob=states["logprob_sum"] / tokens, entropy=states["entropy_sum"] / tokens)
+        return results

@@ -8,14 +8,18 @@ from typing import Any, Sequence
 import torch
 
 from .base import Metric, Number, StateValues
+from .inputs import call_value
 
 
 class TrainMetric(Metric):
     """Twinkle's ``TrainMetric`` with numeric values, identical on every rank.
 
-    ``accumulate(inputs, outputs)`` reads ``outputs['lr']`` (a number, or one per
-    parameter group), ``outputs['step']`` (optimizer micro-steps, as Twinkle counts
-    them) and ``outputs['gradient_accumulation_steps']`` (default 1).
+    ``accumulate(inputs, outputs, *, lr=None, step=None, gradient_accumulation_steps=None)``
+    (Twinkle's models pass these as keywords; ``outputs[...]`` of the same name
+    is read when the keyword is absent): ``lr`` a number or one per parameter
+    group, ``step`` optimizer micro-steps as Twinkle counts them,
+    ``gradient_accumulation_steps`` (default 1). ``inputs`` and ``outputs`` may
+    be None (Twinkle's documented call).
 
     Results (Twinkle's keys):
         ``learning rate`` or ``learning rate(param group N)`` (N from 1),
@@ -44,15 +48,14 @@ class TrainMetric(Metric):
         self.add_state("interval_seconds", "max")
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        outputs = outputs or {}
-        lr = outputs.get("lr")
+        lr = call_value("lr", kwargs, outputs)
         if lr is not None:
             if isinstance(lr, torch.Tensor):  # one per parameter group, or a single 0-d rate
                 rates = list(lr.detach().to(torch.float64).reshape(-1).unbind())
             else:
                 rates = [torch.as_tensor(r, dtype=torch.float64) for r in (lr if isinstance(lr, Sequence) else [lr])]
             if len(rates) > self.max_param_groups:
-                raise ValueError(f"outputs['lr'] has {len(rates)} parameter groups; raise "
+                raise ValueError(f"lr has {len(rates)} parameter groups; raise "
                                  f"TrainMetric(max_param_groups=...) above {self.max_param_groups}")
             # Device tensors are stacked, not read: no host sync.
             device = rates[0].device
@@ -61,9 +64,11 @@ class TrainMetric(Metric):
             self._assign("learning_rates", torch.cat([torch.stack([r.reshape(()).to(device) for r in rates]),
                                                       padding]))
         # Step counters are kept as given and read at calculate(): a tensor must not sync here.
-        if outputs.get("step") is not None:
-            self.step = outputs["step"]
-        self.gradient_accumulation_steps = outputs.get("gradient_accumulation_steps", 1) or 1
+        step = call_value("step", kwargs, outputs)
+        if step is not None:
+            self.step = step
+        self.gradient_accumulation_steps = call_value("gradient_accumulation_steps", kwargs, outputs,
+                                                      self.gradient_accumulation_steps) or 1
 
     def _before_sync(self) -> None:
         now = time.time()
@@ -74,9 +79,8 @@ class TrainMetric(Metric):
             self._assign("iters", step // accumulation)
             self._assign("interval_iters", (step - self.interval_start_step) / accumulation)
 
-    def _local_states(self) -> dict:
-        # Timings and step are the same kind of value on every rank: all ranks count.
-        return self._states
+    def _counts_here(self) -> bool:
+        return True  # timings and step are the same kind of value on every rank: all ranks count
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results: dict[str, Number] = {}
@@ -99,8 +103,8 @@ class TrainMetric(Metric):
         if self.step is not None:
             self.interval_start_step = int(self.step)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "step": None if self.step is None else int(self.step),
+    def _extra_state(self, states: StateValues) -> dict[str, Any]:
+        return {"step": None if self.step is None else int(self.step),
                 "gradient_accumulation_steps": int(self.gradient_accumulation_steps),
                 "elapsed_seconds": time.time() - self.start_time, "interval_start_step": self.interval_start_step}
 

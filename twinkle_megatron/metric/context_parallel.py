@@ -1,0 +1,134 @@
+"""Context parallelism (CP) in one place: which chunks a rank holds, matching gathered and local data.
+
+Megatron splits each sequence into ``2·cp`` equal chunks and gives CP rank ``i``
+chunks ``i`` and ``2·cp−1−i`` (load balancing causal attention; Megatron-LM's
+``get_batch_on_this_cp_rank``, Twinkle's ``split_cp``). A metric can receive
+per-token tensors in either state:
+
+* **local**: this rank's two chunks (Megatron-LM passes everything so; the
+  logits of every model are local);
+* **complete** (gathered over CP): Twinkle's Megatron model gathers ``labels``
+  and ``logps`` over CP before its metrics see them, while ``input_ids``,
+  ``completion_mask`` and the logits stay local.
+
+:func:`align_to_cp_rank` matches them per microbatch. Local data is counted by
+every CP rank (the chunks add up to the sequence); complete data by CP rank 0
+only, like duplicated TP ranks. When some tensors are complete and others
+local, the complete ones are cut to this rank's chunks, so the result equals
+the single-process one either way.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ParallelContext
+
+SequenceTensors = dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, its sequence dimension)
+
+
+class CPAlignment(NamedTuple):
+    """The microbatch's per-token tensors, all local or all complete, and which of the two."""
+
+    tensors: dict[str, torch.Tensor]
+    complete: bool  # every tensor holds whole sequences: count on CP rank 0 only, no CP partial sums
+
+    def counted_here(self, context: ParallelContext) -> bool:
+        """Whether this rank adds the microbatch to its states (complete data: CP rank 0 only)."""
+        return not self.complete or context.cp_rank == 0
+
+
+def this_rank_chunks(tensor: torch.Tensor, dim: int, context: ParallelContext) -> torch.Tensor:
+    """This CP rank's chunks ``i`` and ``2·cp−1−i`` of a complete ``tensor`` (along ``dim``); a copy."""
+    cp, rank = context.cp_size, context.cp_rank
+    length = tensor.shape[dim]
+    if length % (2 * cp):
+        raise ValueError(f"a sequence of {length} positions cannot be split into 2·cp = {2 * cp} equal chunks")
+    chunk = length // (2 * cp)
+    index = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                       torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gathered: Optional[bool] = None,
+                     local_length: Optional[int] = None) -> CPAlignment:
+    """Match one microbatch's per-token tensors under context parallelism.
+
+    ``tensors`` maps names to ``(tensor, sequence dim)``; ``local_length`` is the
+    sequence length of this rank's chunks when known (the microbatch's
+    ``input_ids``, which every model keeps local). With ``cp_size > 1``:
+
+    * equal lengths: the data is complete when ``cp_gathered`` says so, or, with
+      ``cp_gathered=None``, when the length is ``cp × local_length``; else local;
+    * some ``cp`` times longer than the others: those are complete, the others
+      local; the complete ones are cut to this rank's chunks (all local), which
+      ``cp_gathered=True`` forbids (it promises whole sequences);
+    * anything else: ``ValueError`` naming every tensor's length.
+    """
+    plain = {name: tensor for name, (tensor, _) in tensors.items()}
+    if context.cp_size == 1 or not tensors:
+        return CPAlignment(plain, complete=True)
+    cp = context.cp_size
+    lengths = {name: tensor.shape[dim] for name, (tensor, dim) in tensors.items()}
+    shortest, longest = min(lengths.values()), max(lengths.values())
+    if shortest == longest:
+        if cp_gathered is None:
+            complete = local_length is not None and shortest == cp * local_length
+        else:
+            complete = cp_gathered
+        return CPAlignment(plain, complete)
+    described = ", ".join(f"{name} {length}" for name, length in lengths.items())
+    if longest != cp * shortest or any(length not in (shortest, longest) for length in lengths.values()):
+        raise ValueError(f"per-token tensors of one microbatch have sequence lengths {described}; under context "
+                         f"parallelism (cp={cp}) each must be this rank's chunks or the whole sequence ({cp}× "
+                         "longer)")
+    gathered = sorted(name for name, length in lengths.items() if length == longest)
+    local = sorted(name for name, length in lengths.items() if length == shortest)
+    if cp_gathered:
+        raise ValueError(f"cp_gathered=True, but {local} hold this CP rank's chunks ({shortest} positions) while "
+                         f"{gathered} hold whole sequences ({longest}); pass all of them gathered over CP, or "
+                         "leave cp_gathered unset to have the whole ones cut to this rank's chunks")
+    aligned = {name: this_rank_chunks(tensor, dim, context) if lengths[name] == longest else tensor
+               for name, (tensor, dim) in tensors.items()}
+    return CPAlignment(aligned, complete=False)
+
+
+def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, complete: bool) -> torch.Tensor:
+    """``tensor`` summed over the CP group when each CP rank holds chunks of the sequences.
+
+    One all-reduce (no host sync) when ``cp_size > 1`` and the data is not
+    ``complete``; otherwise ``tensor`` itself. Every CP rank of the group must
+    call it for the same microbatch, as every CP rank runs the same microbatches.
+    """
+    if context.cp_size == 1 or complete or not context.distributed:
+        return tensor
+    tensor = tensor.contiguous().clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=context.cp_group)
+    return tensor
+
+
+def global_positions(local_length: int, context: ParallelContext, complete: bool,
+                     device: Union[str, torch.device, None] = None) -> torch.Tensor:
+    """Position in the whole sequence of each local position (Megatron's CP chunks ``i`` and ``2·cp−1−i``)."""
+    positions = torch.arange(local_length, device=device)
+    if context.cp_size == 1 or complete:
+        return positions
+    if local_length % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks of each sequence, but the local "
+                         f"sequence length is {local_length} (odd)")
+    half, cp_rank = local_length // 2, context.cp_rank
+    second = 2 * context.cp_size - 1 - cp_rank
+    return torch.where(positions < half, cp_rank * half + positions, second * half + positions - half)
+
+
+def local_sequence_length(batch: object) -> Optional[int]:
+    """The length of this rank's chunks, from the microbatch's ``input_ids`` (kept local by every model)."""
+    if hasattr(batch, "parts"):  # a concatenation of microbatches: read one part, never concatenate input_ids
+        batch = batch.parts[0]
+    input_ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() >= 1:
+        return int(input_ids.shape[-1])
+    return None

@@ -1,0 +1,134 @@
+r"""PPOValueMetric: PPO critic statistics, correct under tensor, pipeline, context and data parallelism.
+
+Twinkle's ``PPOValueMetric`` keeps every token's value on the host and gathers
+the lists; here each statistic is a sum in the collection's one sync, so the
+variances and the explained variance cover all tokens of all ranks exactly.
+(Twinkle's policy-side ``PPOMetric`` is :class:`~.grpo.GRPOMetric` under
+another name, as in Twinkle.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .base import Metric, Number, StateValues
+from .inputs import call_value, given, to_device, token_mask
+from .sequences import SequenceBatch, sequence_batches, token_values
+
+_SUMS = ("tokens", "value_sum", "return_sum", "return_square_sum", "residual_sum", "residual_square_sum",
+         "clipped", "advantage_tokens", "advantage_sum", "advantage_square_sum", "nonfinite_tokens",
+         "misaligned_arrays")
+
+
+class PPOValueMetric(Metric):
+    r"""Twinkle's ``PPOValueMetric``: value-head diagnostics over the counted response tokens.
+
+    Over counted tokens ``t`` (``labels != ignore_index`` and
+    ``completion_mask``, all inputs finite), ``v`` the critic's values
+    (``outputs['values']``), ``v_old`` the rollout's (``old_values``), ``R`` the
+    returns and ``A`` the advantages; sums over tokens, microbatches and DP×CP
+    ranks, ``N`` tokens:
+
+    ============================ =============================================================
+    ``train/value_mean``         Σ v / N
+    ``train/return_mean``        Σ R / N
+    ``train/value_clip_ratio``   Σ [|v − v_old| > ε] / N
+    ``train/explained_variance`` 1 − Var(R − v) / max(Var(R), 1e-8)   (population variances)
+    ``train/advantage_mean``     Σ A / N_A                             (with ``advantages``)
+    ``train/advantage_std``      sqrt(Σ A² / N_A − mean²)               (population, as Twinkle)
+    ============================ =============================================================
+
+    with ``Var(x) = Σ x² / N − (Σ x / N)²`` in float64. Tokens with a non-finite
+    input are left out and counted in ``train/nonfinite_tokens``; per-sequence
+    arrays that do not hold one value per counted token in
+    ``train/misaligned_arrays`` (both when > 0).
+
+    ``accumulate(inputs, outputs, *, old_values, returns, advantages=None)``:
+    ``outputs['values']`` shaped like ``labels`` (one tensor or a list per
+    microbatch); ``old_values``, ``returns`` and ``advantages`` in the forms
+    :class:`~.grpo.GRPOMetric` accepts for ``old_logps`` (Twinkle's ragged
+    per-sequence lists included). Without ``old_values`` or ``returns`` the call
+    adds nothing (as in Twinkle).
+    """
+
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, epsilon: float = 0.2,
+                 ignore_index: int = -100, **kwargs: Any) -> None:
+        super().__init__(device_mesh, process_group, **kwargs)
+        self.epsilon = float(epsilon)
+        self.ignore_index = ignore_index
+        for name in _SUMS:
+            self.add_state(name, "sum")
+
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        per_sequence = {name: call_value(name, kwargs, outputs) for name in ("old_values", "returns", "advantages")}
+        if outputs is None or not given(outputs.get("values")) or per_sequence["old_values"] is None \
+                or per_sequence["returns"] is None:
+            return
+        for batch in sequence_batches(inputs, outputs, "values", (), per_sequence, self.context, self.cp_gathered,
+                                      "PPOValueMetric"):
+            if batch.counted_here:
+                self._accumulate_microbatch(batch)
+
+    def _accumulate_microbatch(self, batch: SequenceBatch) -> None:
+        values = batch.tensors["values"].to(torch.float64)
+        device = values.device
+        completion_mask = batch.tensors.get("completion_mask")
+        mask = token_mask(to_device(batch.tensors["labels"], device),
+                          None if completion_mask is None else to_device(completion_mask, device), self.ignore_index)
+        finite = torch.isfinite(values)
+        per_token = {}
+        for name, given_values in batch.per_sequence.items():
+            if given_values is None:
+                continue
+            per_token[name], misaligned = token_values(given_values, mask)
+            finite &= torch.isfinite(per_token[name])
+            self._add("misaligned_arrays", misaligned)
+        valid = mask & finite
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+
+        def total(tensor: torch.Tensor) -> torch.Tensor:
+            return torch.where(valid, tensor, zero).sum()
+
+        returns, residual = per_token["returns"], per_token["returns"] - values
+        self._add("nonfinite_tokens", (mask & ~finite).sum())
+        self._add("tokens", valid.sum())
+        self._add("value_sum", total(values))
+        self._add("return_sum", total(returns))
+        self._add("return_square_sum", total(returns * returns))
+        self._add("residual_sum", total(residual))
+        self._add("residual_square_sum", total(residual * residual))
+        self._add("clipped", (valid & ((values - per_token["old_values"]).abs() > self.epsilon)).sum())
+        if "advantages" in per_token:
+            advantages = per_token["advantages"]
+            self._add("advantage_tokens", valid.sum())
+            self._add("advantage_sum", total(advantages))
+            self._add("advantage_square_sum", total(advantages * advantages))
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
+        results: dict[str, Number] = {}
+        for name in ("nonfinite_tokens", "misaligned_arrays"):
+            if states[name] > 0:
+                results[f"train/{name}"] = int(states[name])
+        tokens = states["tokens"]
+        if tokens == 0:
+            return results
+        return_mean = states["return_sum"] / tokens
+        return_variance = states["return_square_sum"] / tokens - return_mean ** 2
+        residual_mean = states["residual_sum"] / tokens
+        residual_variance = states["residual_square_sum"] / tokens - residual_mean ** 2
+        results.update({
+            "train/value_mean": states["value_sum"] / tokens,
+            "train/return_mean": return_mean,
+            "train/value_clip_ratio": states["clipped"] / tokens,
+            "train/explained_variance": 1.0 - max(residual_variance, 0.0) / max(return_variance, 1e-8),
+        })
+        advantage_tokens = states["advantage_tokens"]
+        if advantage_tokens > 0:
+            mean = states["advantage_sum"] / advantage_tokens
+            results["train/advantage_mean"] = mean
+            results["train/advantage_std"] = math.sqrt(max(states["advantage_square_sum"] / advantage_tokens
+                                                           - mean ** 2, 0.0))
+        return results
