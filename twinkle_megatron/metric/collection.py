@@ -23,6 +23,7 @@ first, then every user metric's ``calculate()`` runs, on every rank, in order.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
@@ -235,10 +236,14 @@ class MetricCollection:
         self.metrics.append(metric)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        """Feed every metric; metrics reading the same logits share one vocab-parallel pass."""
+        """Feed every metric; metrics reading the same logits share one vocab-parallel pass.
+
+        Keywords a user metric's ``accumulate`` does not take (the documentation's
+        ``accumulate(self, inputs, outputs)`` takes none) are not passed to it.
+        """
         with sharing_token_stats():
             for metric in self.metrics:
-                metric.accumulate(inputs, outputs, **kwargs)
+                metric.accumulate(inputs, outputs, **_keywords_for(metric, kwargs))
 
     def calculate(self) -> dict[str, Number]:
         return calculate_metrics(self.metrics)
@@ -263,6 +268,16 @@ class MetricCollection:
 
     def __len__(self) -> int:
         return len(self.metrics)
+
+
+def _keywords_for(metric: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not kwargs or is_builtin(metric):
+        return kwargs
+    parameters = inspect.signature(metric.accumulate).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return kwargs
+    accepted = {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return {key: value for key, value in kwargs.items() if key in accepted}
 
 
 def _own_state(metric: Any) -> Any:

@@ -40,8 +40,8 @@ sequence; anything else is a ``ValueError``.
 
 from __future__ import annotations
 
-import functools
 import math
+import warnings
 from typing import Any, Mapping, Optional
 
 import torch
@@ -121,6 +121,7 @@ class GRPOMetric(Metric):
         self.add_state("token_ratio_max", "max")
         self._top_kl: Optional[torch.Tensor] = None  # [k, len(RECORD_FIELDS)] float64, on the device
         self._sequences_per_call: list[int] = []
+        self._warned_entropy = False
 
     # ------------------------------------------------------------ accumulate
 
@@ -136,7 +137,7 @@ class GRPOMetric(Metric):
         batches = sequence_batches(inputs, outputs, "logps", ("entropies", "logits", "token_stats"),
                                    {"old_logps": old_logps, "advantages": advantages}, self.context,
                                    self.cp_gathered, type(self).__name__,
-                                   extra=functools.partial(self._per_token_extras, layout))
+                                   extra=self._per_token_extras)
         for batch in batches:
             if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
                 global_positions(batch.tensors["logps"].shape[-1], self.context, batch.complete)
@@ -149,13 +150,32 @@ class GRPOMetric(Metric):
         self._sequences_per_call.append(sum(batch.tensors["logps"].shape[0] for batch in batches))
 
     @staticmethod
-    def _per_token_extras(layout: Optional[str], batch: Any, output: Any, labels: torch.Tensor) -> dict:
-        """The entropy's source, matched under CP with the log-probs: given entropies, else the logits."""
+    def _per_token_extras(batch: Any, output: Any, labels: torch.Tensor) -> dict:
+        """Given entropies are matched under CP with the log-probs."""
         if output.get("entropies") is not None:
             return {"entropies": (as_rows(output["entropies"]), 1)}
-        if output.get("logits") is not None:
-            return {"logits": (output["logits"], logits_sequence_dim(output["logits"], labels, layout))}
         return {}
+
+    def _logits_for_entropy(self, batch: SequenceBatch, layout: Optional[str]) -> Optional[torch.Tensor]:
+        """The microbatch's logits if they cover the same positions as its (aligned) log-probs.
+
+        Logits are always this CP rank's chunks; log-probs gathered over CP
+        (Twinkle's Megatron model) hold whole sequences, so no entropy can be
+        paired with them here: then ``train/entropy`` needs ``outputs['entropies']``
+        gathered like the log-probs, and a warning says so once.
+        """
+        logits = batch.output.get("logits")
+        if logits is None:
+            return None
+        labels = batch.tensors["labels"]
+        if logits.shape[logits_sequence_dim(logits, labels, layout)] == labels.shape[-1]:
+            return logits
+        if not self._warned_entropy:
+            self._warned_entropy = True
+            warnings.warn(f"{type(self).__name__}: the logits hold this context-parallel rank's chunks but the logps "
+                          "whole sequences; train/entropy is not computed from them (pass outputs['entropies'] "
+                          "gathered like the logps)", RuntimeWarning, stacklevel=4)
+        return None
 
     def _accumulate_microbatch(self, batch: SequenceBatch, vocab_size: Optional[int], layout: Optional[str]) -> None:
         old, advantage = batch.per_sequence["old_logps"], batch.per_sequence["advantages"]
@@ -220,10 +240,11 @@ class GRPOMetric(Metric):
             return to_device(batch.tensors["entropies"], labels.device)
         if batch.output.get("token_stats") is not None:
             return to_device(batch.output["token_stats"].entropy.reshape(labels.shape), labels.device)
-        if "logits" not in batch.tensors:
+        logits = self._logits_for_entropy(batch, layout)
+        if logits is None:
             return None
-        stats = logits_token_stats(batch.tensors["logits"], batch.tensors["labels"].reshape(labels.shape), self.context,
-                                   vocab_size, layout, self.ignore_index, cache_key=id(batch.output["logits"]))
+        stats = logits_token_stats(logits, batch.tensors["labels"].reshape(labels.shape), self.context, vocab_size,
+                                   layout, self.ignore_index)
         return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
     def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
