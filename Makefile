@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test test-twinkle demo lint bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,21 @@ $(STAMP): setup.py
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# Twinkle's own code as the caller and the oracle: twinkle-kit 0.5.1 with its dependencies (transformers,
+# datasets, modelscope...) in a venv of its own, torch held at the installed version by a constraints file.
+TWINKLE_VENV ?= .venv-twinkle
+TWINKLE_PY := $(TWINKLE_VENV)/bin/python
+TWINKLE_STAMP := $(TWINKLE_VENV)/.twinkle-installed
+
+$(TWINKLE_STAMP): setup.py tests/twinkle-constraints.txt
+	test -x $(TWINKLE_PY) || $(PYTHON) -m venv $(TWINKLE_VENV)
+	$(TWINKLE_PY) -c "import torch" 2>/dev/null || $(TWINKLE_PY) -m pip install -q torch==2.13.0
+	$(TWINKLE_PY) -m pip install -q -c tests/twinkle-constraints.txt twinkle-kit==0.5.1 -e '.[test]'
+	touch $(TWINKLE_STAMP)
+
+test-twinkle: $(TWINKLE_STAMP)
+	$(TWINKLE_PY) -m pytest tests/test_twinkle_integration.py tests/test_twinkle_docs.py tests/test_user_metrics.py
+
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --run-name demo --log-dir runs
 	$(PY) -m twinkle_megatron.cli plot runs/demo/metrics.jsonl -o runs/demo/plots
@@ -30,4 +45,4 @@ bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TWINKLE_VENV) build *.egg-info .pytest_cache .ruff_cache
