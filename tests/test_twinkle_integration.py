@@ -24,10 +24,11 @@ from distributed import run_distributed
 
 twinkle = pytest.importorskip("twinkle.metric", reason="Twinkle is not installed here: run `make test-twinkle`")
 
-import twinkle_megatron  # noqa: E402
 from twinkle.data_format import InputFeature, ModelOutput  # noqa: E402
 from twinkle.model.optimizer_group import BaseOptimizerGroup, TrainStatus  # noqa: E402
 from twinkle.utils import DeviceMesh, construct_class  # noqa: E402
+
+import twinkle_megatron  # noqa: E402
 
 OURS = ["Accuracy", "LossMetric", "TrainMetric", "CompletionRewardMetric", "DPOMetric", "GRPOMetric", "GSPOMetric",
         "CISPOMetric", "PPOMetric", "PPOValueMetric", "EmbeddingMetric"]

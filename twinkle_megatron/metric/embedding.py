@@ -26,7 +26,7 @@ that declared ``[calls, d]`` SUM states would remove it; not done yet.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,10 @@ class EmbeddingMetric(Metric):
     ``pos_sim_min``  min  cos(anchor_i, positive_i)
     ``pos_sim_max``  max  cos(anchor_i, positive_i)
     ``neg_sim``      mean cos(anchor_i, positive_j), i ≠ j, within each call's global batch
-    ``loss``         mean of the finite ``outputs['loss']`` values passed (over calls and ranks)
+    ``loss``         Σ loss · anchors / Σ anchors over calls and ranks: each rank's ``outputs['loss']`` (the
+                     mean of its finite values) weighted by the anchors it passed with it, so a rank's loss
+                     over its own anchors pools into the global mean, and a loss every rank passes alike
+                     stays the same, under any layout
     ``grad_norm``    latest finite value passed (``grad_norm=`` or ``outputs['grad_norm']``), max over ranks
     ================ =========================================================
 
@@ -75,7 +78,7 @@ class EmbeddingMetric(Metric):
         self.add_state("pos_sim_min", "min")
         self.add_state("pos_sim_max", "max")
         self.add_state("loss_sum", "sum")
-        self.add_state("loss_values", "sum")
+        self.add_state("loss_weight", "sum")
         self.add_state("grad_norm", "max")
         for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):
             self.add_state(name, "sum")
@@ -105,16 +108,16 @@ class EmbeddingMetric(Metric):
                                  f"but labels has {batch_labels.shape[0]} values (microbatch {index})")
             sentences.append(embeddings)
             labels.append(batch_labels)
-        if sentences:
-            self._accumulate_call(torch.cat(sentences), torch.cat(labels))
+        anchors = self._accumulate_call(torch.cat(sentences), torch.cat(labels)) if sentences else 0.0
         self._call_count += 1
-        self._accumulate_loss(outputs.get("loss"))
+        self._accumulate_loss(outputs.get("loss"), anchors)
 
-    def _accumulate_call(self, sentences: torch.Tensor, labels: torch.Tensor) -> None:
+    def _accumulate_call(self, sentences: torch.Tensor, labels: torch.Tensor) -> Union[torch.Tensor, float]:
+        """Add one call's anchors; returns their number (a device count)."""
         finite_rows = torch.isfinite(sentences).all(-1)
         self._add("nonfinite_embeddings", (~finite_rows).sum())
         if sentences.shape[0] < 2:
-            return
+            return 0.0
         unit = F.normalize(torch.where(finite_rows[:, None], sentences.to(torch.float64), 0.0), dim=-1)
         anchors, positives = unit[:-1], unit[1:]
         is_anchor = (labels[:-1] != 0) & finite_rows[:-1] & finite_rows[1:]
@@ -129,16 +132,20 @@ class EmbeddingMetric(Metric):
         weights = is_anchor.to(torch.float64)[:, None]
         self._calls.append((self._call_count, (anchors * weights).sum(0), (positives * weights).sum(0), is_anchor.sum(),
                             positive_sum))
+        return is_anchor.sum()
 
-    def _accumulate_loss(self, loss: Any) -> None:
+    def _accumulate_loss(self, loss: Any, anchors: Union[torch.Tensor, float]) -> None:
+        """The call's loss (its finite values' mean), weighted by the anchors this rank passed with it."""
         if not given(loss):
             return
-        for value in loss if isinstance(loss, (list, tuple)) else [loss]:
-            value = self._as_state("loss_sum", value).reshape(())
-            finite = torch.isfinite(value)
-            self._add("loss_sum", torch.where(finite, value, 0.0))
-            self._add("loss_values", finite)
-            self._add("nonfinite_losses", ~finite)
+        values = torch.stack([self._as_state("loss_sum", v).reshape(())
+                              for v in (loss if isinstance(loss, (list, tuple)) else [loss])])
+        finite = torch.isfinite(values)
+        mean = torch.where(finite, values, 0.0).sum() / finite.sum().clamp(min=1)
+        weight = self._as_state("loss_weight", anchors) * finite.any()
+        self._add("loss_sum", mean * weight)
+        self._add("loss_weight", weight)
+        self._add("nonfinite_losses", (~finite).sum())
 
     def _local_records(self) -> Optional[list]:
         # calculate() time: reading the per-call sums on the host is allowed here.
@@ -170,8 +177,8 @@ class EmbeddingMetric(Metric):
         negative_sum, negative_pairs = self._negative_similarity()
         if negative_pairs > 0:
             results["neg_sim"] = negative_sum / negative_pairs
-        if states["loss_values"] > 0:
-            results["loss"] = states["loss_sum"] / states["loss_values"]
+        if states["loss_weight"] > 0:
+            results["loss"] = states["loss_sum"] / states["loss_weight"]
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
         for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):

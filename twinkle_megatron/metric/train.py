@@ -106,7 +106,8 @@ class TrainMetric(Metric):
     def _extra_state(self, states: StateValues) -> dict[str, Any]:
         return {"step": None if self.step is None else int(self.step),
                 "gradient_accumulation_steps": int(self.gradient_accumulation_steps),
-                "elapsed_seconds": time.time() - self.start_time, "interval_start_step": self.interval_start_step}
+                # The time reduced in the sync (max over ranks): the same on every rank.
+                "elapsed_seconds": states["elapsed_seconds"], "interval_start_step": self.interval_start_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
