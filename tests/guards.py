@@ -5,7 +5,7 @@ called it, so a ``TorchDispatchMode`` sees every collective (``dist.all_reduce``
 ``all_gather_object``'s internal gathers, megatron's p2p) and every op that
 makes the host wait for the device on a GPU:
 
-* reading a value: ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, printing
+* reading a value: ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``
   (``aten::_local_scalar_dense``, ``aten::is_nonzero``, ``aten::equal``);
 * ops whose output *size* depends on values: boolean-mask indexing and
   assignment (``t[mask]``, ``t[mask] = x``), ``nonzero`` / ``torch.where(cond)``,
@@ -14,7 +14,7 @@ makes the host wait for the device on a GPU:
   ``output_size``.
 
 Copies to the host (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to('cpu')``)
-do not reach the dispatcher on a CPU-only machine (the tensor already is on the
+and printing (which reads values with the modes switched off) do not reach the dispatcher on a CPU-only machine (the tensor already is on the
 CPU), so a ``TorchFunctionMode`` flags those calls by name: on a GPU each one
 would be a sync. (``.to(some_tensor.device)`` is not flagged: it moves data to
 where other data lives, which on a GPU is no host copy.)
@@ -51,7 +51,9 @@ _COLLECTIVE_NAMES = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_re
                      "alltoall_": "all_to_all", "alltoall_base_": "all_to_all_single", "barrier": "barrier",
                      "monitored_barrier_": "monitored_barrier", "send": "send", "recv_": "recv",
                      "recv_any_source_": "recv"}
-_HOST_COPIES = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu"}
+# Printing reads values with the modes switched off, so it is caught by name too.
+_HOST_COPIES = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu",
+                torch.Tensor.__repr__: "__repr__", torch.Tensor.__format__: "__format__"}
 
 
 def _is_cpu(device: Any) -> bool:
