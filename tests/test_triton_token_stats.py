@@ -191,6 +191,10 @@ def adversarial_rows(n_cols: int = 100) -> tuple[torch.Tensor, list[str]]:
     x[90] = -1.5e38
     rows.append(x)
     names.append("spread 3e38")
+    x = torch.full((n_cols,), -1.5e38)
+    x[90] = 1.5e38
+    rows.append(x)
+    names.append("a -1.5e38 plateau, then 1.5e38: the rescale of S1 must not overflow")
     row("maximum in the last, partial block")[n_cols - 1] = 9.0
     rows.append(torch.full((n_cols,), 1.5))
     names.append("all equal")

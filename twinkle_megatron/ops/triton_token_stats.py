@@ -23,9 +23,12 @@ A block with maximum :math:`b` moves it to :math:`M' = \max(M, b)`; with
 
 .. math::
 
-    s_0' = e^{\delta} s_0, \qquad s_1' = e^{\delta}\,(s_1 + \delta\, s_0),
+    s_0' = e^{\delta} s_0, \qquad s_1' = e^{\delta}\,(s_1 + \delta\, s_0)
+          = e^{\delta} s_1 + (e^{\delta}\delta)\, s_0
 
-then the block's own terms :math:`e^{d}` and :math:`e^{d} d`, :math:`d = x - M'`,
+(computed in the second form: :math:`|e^{\delta}\delta| \le 1/e`, while
+:math:`\delta s_0` alone overflows for a spread near the float32 maximum), then
+the block's own terms :math:`e^{d}` and :math:`e^{d} d`, :math:`d = x - M'`,
 are added. Only the block maximum is reduced across lanes per block (one
 ``exp`` per element, which keeps the SFU below the memory rate on current
 GPUs); the lane sums are reduced once at the end, so :math:`M` there is the row
@@ -59,6 +62,7 @@ element per row for the label). Offsets are computed in int64.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -109,7 +113,9 @@ def _local_pass_kernel(x_ptr, labels_ptr, max_ptr, col_ptr, stats_ptr,
             shift = tl.where(new_max > float("-inf"), new_max, 0.0)
             gap = tl.where(running_max > float("-inf"), running_max - shift, 0.0)
             scale = tl.exp(gap)
-            s1 = scale * (s1 + gap * s0)
+            # s1' = e^gap (s1 + gap s0), with e^gap * gap (|.| <= 1/e) formed first: gap * s0 alone can
+            # overflow (a -1.5e38 plateau, then 1.5e38) where the product with e^gap = 0 is just 0.
+            s1 = scale * s1 + (scale * gap) * s0
             s0 = scale * s0
             d = tl.where(finite, x - shift, 0.0)
             # A NaN or +-inf real column makes its lane's S0 NaN for good (and S1 through the rescale).
@@ -178,11 +184,14 @@ def triton_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[t
     local_col = torch.empty(n_tokens, dtype=torch.int64, device=rows.device)
     has_labels = need_sums and local_labels is not None
     block, num_warps, num_stages = launch_config(n_valid, rows.element_size(), block, num_warps, num_stages)
-    _local_pass_kernel[(n_tokens,)](
-        rows, local_labels.contiguous() if has_labels else local_col, local_max, local_col,
-        stats if need_sums else local_max, n_valid, rows.stride(0), rows.stride(1),
-        stats.stride(0) if need_sums else 0,
-        HAS_LABELS=has_labels, NEED_SUMS=need_sums, BLOCK=block, NUM_STAGES=num_stages, num_warps=num_warps)
+    # Triton launches on the current CUDA device: make it the logits' one.
+    on_device = torch.cuda.device(rows.device) if rows.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        _local_pass_kernel[(n_tokens,)](
+            rows, local_labels.contiguous() if has_labels else local_col, local_max, local_col,
+            stats if need_sums else local_max, n_valid, rows.stride(0), rows.stride(1),
+            stats.stride(0) if need_sums else 0,
+            HAS_LABELS=has_labels, NEED_SUMS=need_sums, BLOCK=block, NUM_STAGES=num_stages, num_warps=num_warps)
     return local_max, local_col
 
 
