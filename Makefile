@@ -6,7 +6,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
 
-.PHONY: setup test test-twinkle demo lint bench clean
+# Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies
+# (never touching torch) and only where none is importable (a CUDA torch brings its own).
+TRITON_VERSION ?= 3.7.1
+
+.PHONY: setup test test-twinkle demo lint bench clean triton kernel-test gpu-check
 
 setup: $(STAMP)
 
@@ -43,6 +47,18 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
+
+triton: $(STAMP)
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q --no-deps triton==$(TRITON_VERSION)
+
+# The Triton kernel under Triton's interpreter on CPU (no GPU needed), the selection rule, gpu-check's CPU parts.
+kernel-test: triton
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/test_triton_token_stats.py tests/test_kernel_select.py tests/test_gpu_check.py
+
+# On one CUDA device: tests, kernel correctness and bandwidth, training overhead; records the kernel check.
+# Without CUDA it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(TWINKLE_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -19,6 +19,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["twinkle_megatron", "twinkle_megatron.*"]),
+    # The device-check record the Triton kernel's selection reads (written by `make gpu-check`).
+    package_data={"twinkle_megatron.ops": ["kernel_checks.json"]},
     python_requires=">=3.10",
     # No version pin on torch: installing this package must never pull a new torch.
     install_requires=["torch>=2.1", "megatron-core>=0.13"],

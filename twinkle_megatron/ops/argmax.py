@@ -26,10 +26,10 @@ __all__ = ["vocab_parallel_argmax"]
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                          vocab_size: Optional[int] = None) -> torch.Tensor:
+                          vocab_size: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
     """int64 global argmax of vocab-parallel ``logits [..., V_local]``, shape ``logits.shape[:-1]``.
 
     Identical on every rank of ``group``; ``group=None`` (or one rank) means the
     whole vocabulary is local. See :func:`~.token_stats.vocab_parallel_token_stats`.
     """
-    return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=False).argmax
+    return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=False, kernel=kernel).argmax

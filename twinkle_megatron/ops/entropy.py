@@ -26,9 +26,9 @@ __all__ = ["vocab_parallel_entropy"]
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                           vocab_size: Optional[int] = None) -> torch.Tensor:
+                           vocab_size: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
     """Entropy (nats) of the softmax of vocab-parallel ``logits [..., V_local]``, shape ``logits.shape[:-1]``.
 
     Identical on every rank of ``group``; float32 (float64 for float64 logits).
     """
-    return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=True).entropy
+    return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=True, kernel=kernel).entropy

@@ -29,11 +29,12 @@ __all__ = ["vocab_parallel_logprobs"]
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor,
                             group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None,
-                            ignore_index: int = -100) -> torch.Tensor:
+                            ignore_index: int = -100, kernel: Optional[str] = None) -> torch.Tensor:
     """log p(``labels``) under vocab-parallel ``logits [..., V_local]``, shape ``logits.shape[:-1]``.
 
     Identical on every rank of ``group``; float32 (float64 for float64 logits).
     """
     if labels is None:
         raise ValueError("vocab_parallel_logprobs needs labels")
-    return _token_stats(logits, labels, group, vocab_size, None, ignore_index, need_sums=True).logprobs
+    return _token_stats(logits, labels, group, vocab_size, None, ignore_index, need_sums=True,
+                        kernel=kernel).logprobs

@@ -21,7 +21,12 @@ column, and the sums relative to the *local* maximum
     S_1^{(r)} = \sum_{v \in r} e^{x_v - m_r}(x_v - m_r),
 
 plus the label's logit :math:`x_y` from the one rank whose columns hold
-:math:`y` (0 elsewhere).
+:math:`y` (0 elsewhere). Two implementations compute it, with one contract
+(:func:`_torch_local_pass`): a chunked torch loop (the reference, and the CPU
+path) and a fused one-read Triton kernel for GPUs
+(:mod:`.triton_token_stats`); ``kernel=`` or the environment variable
+``TWINKLE_MEGATRON_TOKEN_STATS_KERNEL`` picks one (:mod:`.kernel_select`).
+Everything after it -- collectives and epilogue -- is the same code for both.
 
 **Collective 1** -- all-reduce MAX of one int64 key per token that packs
 :math:`m_r` and its global column (see :mod:`._shard`): it gives :math:`m` and
@@ -91,6 +96,7 @@ from ._shard import (
     restore_layout,
     token_order,
 )
+from .kernel_select import choose_kernel, triton_local_pass
 
 __all__ = ["TokenStats", "vocab_parallel_token_stats"]
 
@@ -108,7 +114,8 @@ class TokenStats(NamedTuple):
 
 def vocab_parallel_token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor] = None,
                                group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None,
-                               chunk_size: Optional[int] = None, ignore_index: int = -100) -> TokenStats:
+                               chunk_size: Optional[int] = None, ignore_index: int = -100,
+                               kernel: Optional[str] = None) -> TokenStats:
     """Argmax, log-prob of ``labels`` and entropy of vocab-parallel ``logits``: one pass, two collectives.
 
     Args:
@@ -125,18 +132,24 @@ def vocab_parallel_token_stats(logits: torch.Tensor, labels: Optional[torch.Tens
             512 KiB per buffer on CPU (two buffers stay in the L2 cache), 64 MiB
             on accelerators; at least one token.
         ignore_index: labels equal to it get log-prob 0.
+        kernel: the local pass's implementation: ``"torch"`` (the chunked torch
+            loop), ``"triton"`` (the fused kernel of :mod:`.triton_token_stats`)
+            or ``"auto"``; None reads ``TWINKLE_MEGATRON_TOKEN_STATS_KERNEL``
+            (default ``"auto"``: the kernel only on a CUDA device kind with a
+            passing device check recorded, see :mod:`.kernel_select`).
+            ``chunk_size`` applies to the torch loop only.
 
     Returns:
         :class:`TokenStats` ``(argmax, logprobs, entropy)``; ``logprobs`` is None
         when ``labels`` is None.
     """
-    return _token_stats(logits, labels, group, vocab_size, chunk_size, ignore_index, need_sums=True)
+    return _token_stats(logits, labels, group, vocab_size, chunk_size, ignore_index, need_sums=True, kernel=kernel)
 
 
 @torch.no_grad()
 def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
                  vocab_size: Optional[int], chunk_size: Optional[int], ignore_index: int,
-                 need_sums: bool) -> TokenStats:
+                 need_sums: bool, kernel: Optional[str] = None) -> TokenStats:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() < 1:
@@ -166,23 +179,24 @@ def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Op
                           empty if need_sums else None)
 
     n_valid = shard.n_valid
-    # stats rows: S0 = sum e^{x-m}, S1 = sum e^{x-m}(x-m), the label's logit (0 off its owner).
-    stats = torch.zeros(3, n_tokens, dtype=cdtype, device=device) if need_sums else None
-    if n_valid > 0:
-        local_max, local_col = _local_pass(rows[:, :n_valid], stats, cdtype, chunk_size, need_sums)
-        keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
-    else:  # this rank holds only padding columns
-        local_max = None
-        keys = torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device)
-
     flat_labels = None
     if labels is not None:
         flat_labels = token_order(labels, order).to(device=device, dtype=torch.int64)
-        if n_valid > 0:
-            local_label = flat_labels - shard.start
-            owned = (local_label >= 0) & (local_label < n_valid)
-            picked = rows.gather(1, local_label.clamp(0, n_valid - 1).unsqueeze(1)).squeeze(1)
-            torch.where(owned, picked.to(cdtype), torch.zeros((), dtype=cdtype, device=device), out=stats[2])
+    # stats rows: S0 = sum e^{x-m}, S1 = sum e^{x-m}(x-m), the label's logit (0 off its owner).
+    stats = torch.zeros(3, n_tokens, dtype=cdtype, device=device) if need_sums else None
+    if n_valid > 0:
+        # The local pass, by either implementation (same outputs, same contract).
+        local_labels = flat_labels - shard.start if flat_labels is not None and need_sums else None
+        if choose_kernel(kernel, rows) == "triton":
+            local_max, local_col = triton_local_pass()(rows, n_valid, local_labels, stats, need_sums)
+        else:
+            local_max, local_col = _torch_local_pass(rows, n_valid, local_labels, stats, cdtype, chunk_size,
+                                                     need_sums)
+        keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
+        local_max = local_max.to(cdtype)
+    else:  # this rank holds only padding columns
+        local_max = None
+        keys = torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device)
 
     # Collective 1: global max and argmax (lowest global column on ties).
     if shard.group is not None:
@@ -215,6 +229,25 @@ def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Op
                                logprobs)
         logprobs = restore_layout(logprobs, lead_shape, order)
     return TokenStats(argmax, logprobs, restore_layout(entropy, lead_shape, order))
+
+
+def _torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[torch.Tensor],
+                      stats: Optional[torch.Tensor], cdtype: torch.dtype, chunk_size: Optional[int],
+                      need_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local pass in torch over the real columns ``rows[:, :n_valid]``.
+
+    Returns the per-token local maximum (``cdtype``) and its first local column
+    (int64); with ``need_sums`` fills ``stats[0]`` (S0), ``stats[1]`` (S1) and,
+    given ``local_labels`` (label − shard start), ``stats[2]``: the label's
+    logit where ``0 <= local_label < n_valid``, else 0. The Triton kernel
+    (:func:`.triton_token_stats.triton_local_pass`) has the same contract.
+    """
+    local_max, local_col = _local_pass(rows[:, :n_valid], stats, cdtype, chunk_size, need_sums)
+    if local_labels is not None:
+        owned = (local_labels >= 0) & (local_labels < n_valid)
+        picked = rows.gather(1, local_labels.clamp(0, n_valid - 1).unsqueeze(1)).squeeze(1)
+        torch.where(owned, picked.to(cdtype), torch.zeros((), dtype=cdtype, device=rows.device), out=stats[2])
+    return local_max, local_col
 
 
 def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch.dtype,
