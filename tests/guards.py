@@ -15,9 +15,10 @@ makes the host wait for the device on a GPU:
 
 Copies to the host (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to('cpu')``)
 and printing (which reads values with the modes switched off) do not reach
-the dispatcher on a CPU-only machine (the tensor already is on the CPU), so a ``TorchFunctionMode`` flags those calls by name: on a GPU each one
-would be a sync. (``.to(some_tensor.device)`` is not flagged: it moves data to
-where other data lives, which on a GPU is no host copy.)
+the dispatcher on a CPU-only machine (the tensor already is on the CPU), so a
+``TorchFunctionMode`` flags those calls by name: on a GPU each one would be a
+sync. (``.to(some_tensor.device)`` is not flagged: it moves data to where
+other data lives, which on a GPU is no host copy.)
 """
 
 from __future__ import annotations
