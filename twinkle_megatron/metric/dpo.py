@@ -29,7 +29,7 @@ import torch
 
 from .base import Metric, Number, StateValues
 from .context_parallel import sum_over_context_parallel
-from .inputs import call_value, given, to_device, token_mask
+from .inputs import call_value, given, to_device
 from .sequences import SequenceBatch, as_rows, sequence_batches
 
 PAIR_LAYOUTS = ("interleaved", "halves")
@@ -104,11 +104,7 @@ class DPOMetric(Metric):
     def _accumulate_microbatch(self, batch: SequenceBatch, layout: str) -> None:
         logps = batch.tensors["logps"]
         device = logps.device
-        labels = to_device(batch.tensors["labels"], device)
-        completion_mask = batch.tensors.get("completion_mask")
-        if completion_mask is not None:
-            completion_mask = to_device(completion_mask, device)
-        mask = token_mask(labels, completion_mask, self.ignore_index)
+        mask = batch.token_mask("logps", self.ignore_index)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         policy = logps.to(torch.float64)
         ref = batch.tensors.get("ref_outputs['logps']")

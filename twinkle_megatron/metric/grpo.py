@@ -48,7 +48,7 @@ import torch
 
 from .base import Metric, Number, StateValues
 from .context_parallel import global_positions, sum_over_context_parallel
-from .inputs import call_value, check_same_shape, given, to_device, token_mask
+from .inputs import call_value, check_same_shape, given, to_device
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
 from .token_stats import check_vocab_size, logits_sequence_dim, logits_token_stats
 
@@ -182,10 +182,7 @@ class GRPOMetric(Metric):
         logps = batch.tensors["logps"]
         device = logps.device
         labels = to_device(batch.tensors["labels"], device)
-        completion_mask = batch.tensors.get("completion_mask")
-        if completion_mask is not None:
-            completion_mask = to_device(completion_mask, device)
-        mask = token_mask(labels, completion_mask, self.ignore_index)
+        mask = batch.token_mask("logps", self.ignore_index)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale
         finite = torch.isfinite(new)

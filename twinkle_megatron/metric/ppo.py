@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .base import Metric, Number, StateValues
-from .inputs import call_value, given, to_device, token_mask
+from .inputs import call_value, given
 from .sequences import SequenceBatch, sequence_batches, token_values
 
 _SUMS = ("tokens", "value_sum", "return_sum", "return_square_sum", "residual_sum", "residual_square_sum",
@@ -75,9 +75,7 @@ class PPOValueMetric(Metric):
     def _accumulate_microbatch(self, batch: SequenceBatch) -> None:
         values = batch.tensors["values"].to(torch.float64)
         device = values.device
-        completion_mask = batch.tensors.get("completion_mask")
-        mask = token_mask(to_device(batch.tensors["labels"], device),
-                          None if completion_mask is None else to_device(completion_mask, device), self.ignore_index)
+        mask = batch.token_mask("values", self.ignore_index)
         finite = torch.isfinite(values)
         per_token = {}
         for name, given_values in batch.per_sequence.items():

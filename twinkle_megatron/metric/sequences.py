@@ -15,7 +15,7 @@ import torch
 
 from ..parallel import ParallelContext
 from .context_parallel import SequenceTensors, align_to_cp_rank, local_sequence_length
-from .inputs import check_same_shape, microbatches, to_device
+from .inputs import check_same_shape, microbatches, to_device, token_mask
 
 
 def split_per_microbatch(values: Any, name: str, shapes: Sequence[tuple[int, ...]],
@@ -141,6 +141,13 @@ class SequenceBatch(NamedTuple):
     first_sequence: int  # index of its first sequence among the call's sequences
     complete: bool  # whole sequences on every CP rank (see CPAlignment)
     counted_here: bool
+
+    def token_mask(self, anchor: str, ignore_index: int) -> torch.Tensor:
+        """The tokens that count (``labels != ignore_index`` and ``completion_mask``), on the anchor's device."""
+        device = self.tensors[anchor].device
+        completion_mask = self.tensors.get("completion_mask")
+        return token_mask(to_device(self.tensors["labels"], device),
+                          None if completion_mask is None else to_device(completion_mask, device), ignore_index)
 
 
 ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], SequenceTensors]
