@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test test-slurm demo lint bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,17 @@ $(STAMP): setup.py
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# examples/slurm/train.sbatch on a real one-host Slurm (installed from the distribution when missing, root):
+# start the cluster, run the jobs, stop the cluster whatever the outcome. Logs and job outputs stay in
+# SLURM_TEST_DIR.
+SLURM_TEST_DIR ?= /tmp/twinkle-slurm-test
+test-slurm: $(STAMP)
+	SLURM_TEST_DIR=$(SLURM_TEST_DIR) bash tests/slurm/cluster.sh start
+	status=0; TWINKLE_SLURM_TEST=1 SLURM_CONF=$(SLURM_TEST_DIR)/slurm.conf $(PY) -m pytest tests/slurm -v -s \
+		-p no:cacheprovider --basetemp=$(SLURM_TEST_DIR)/pytest || status=$$?; \
+	SLURM_TEST_DIR=$(SLURM_TEST_DIR) bash tests/slurm/cluster.sh stop || status=$$?; \
+	exit $$status
 
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --run-name demo --log-dir runs
