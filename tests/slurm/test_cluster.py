@@ -33,8 +33,8 @@ SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 pytestmark = pytest.mark.skipif(os.environ.get("TWINKLE_SLURM_TEST") != "1" or not os.environ.get("SLURM_CONF"),
                                 reason="needs the one-host Slurm cluster: run `make test-slurm`")
 
-STEPS = 36
-SAVE_INTERVAL = 12
+STEPS = 24
+SAVE_INTERVAL = 8
 NODES, RANKS_PER_NODE, PP, DP = 2, 2, 2, 2
 JOB_TIMEOUT = 240  # seconds, per job (each start imports megatron on 4 ranks sharing 2 cores)
 # Keys whose values depend on the machine's speed: everything else must match across runs.
