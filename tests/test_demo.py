@@ -24,7 +24,8 @@ def test_demo_trains_and_logs_the_plugin_metrics_then_resumes(tmp_path):
     records = _run(tmp_path, "--steps", "4", "--save-interval", "2")
     assert [r["step"] for r in records] == [1, 2, 4]
     for record in records:
-        for key in ("loss", "accuracy", "entropy", "logprob", "tokens_per_second", "step_time", "slowest_rank"):
+        for key in ("loss", "accuracy", "entropy", "logprob", "perf/tokens_per_second", "perf/step_time",
+                    "perf/slowest_rank"):
             assert key in record, key
     assert records[0]["total_tokens"] == 4 * 4 * 31  # microbatches × micro batch × masked sequence
     assert records[-1]["loss"] < records[0]["loss"] and records[-1]["accuracy"] > records[0]["accuracy"], \
@@ -32,4 +33,4 @@ def test_demo_trains_and_logs_the_plugin_metrics_then_resumes(tmp_path):
     # A requeued job: continue from the step-4 checkpoint to step 6, no step logged twice.
     records = _run(tmp_path, "--steps", "6", "--save-interval", "2", "--resume")
     assert [r["step"] for r in records] == [1, 2, 4, 6]
-    assert records[-1]["tokens_total"] == 6 * 4 * 4 * 31
+    assert records[-1]["train/consumed_tokens"] == 6 * 4 * 4 * 31
