@@ -5,8 +5,19 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
+BACKENDS_STAMP := $(VENV)/.logging-backends-installed
+TORCH_PIN := $(VENV)/torch-constraint.txt
 
-.PHONY: setup test test-slurm demo lint bench clean
+# `make test MCORE=0.14.0`: the suite against another megatron-core release, installed (pure Python, no
+# dependencies) into .mcore/VERSION and put ahead of the venv's megatron-core on PYTHONPATH.
+MCORE ?=
+ifneq ($(MCORE),)
+MCORE_DIR := .mcore/$(MCORE)
+MCORE_STAMP := $(MCORE_DIR)/.installed
+TEST_ENV := PYTHONPATH=$(abspath $(MCORE_DIR))
+endif
+
+.PHONY: setup test test-backends test-slurm demo lint bench clean
 
 setup: $(STAMP)
 
@@ -16,8 +27,25 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest tests
+test: $(STAMP) $(MCORE_STAMP)
+	$(TEST_ENV) $(PY) -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
+	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py
+
+$(MCORE_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(MCORE_DIR) megatron-core==$(MCORE)
+	touch $@
+
+# The logging backends against the real tensorboard, wandb, mlflow and swanlab (pinned in
+# tests/requirements-backends.txt), with the venv's torch pinned so that no install can replace it.
+test-backends: $(BACKENDS_STAMP)
+	$(PY) -m pytest tests/test_backends.py
+
+$(BACKENDS_STAMP): $(STAMP) tests/requirements-backends.txt
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) -m pip install -q -c $(TORCH_PIN) -r tests/requirements-backends.txt
+	$(PY) -c "import sys, torch; pin = open('$(TORCH_PIN)').read().split('==')[1].strip(); \
+	          sys.exit(None if torch.__version__ == pin else f'torch changed from {pin} to {torch.__version__}')"
+	touch $@
 
 # examples/slurm/train.sbatch on a real one-host Slurm (installed from the distribution when missing, root):
 # start the cluster, run the jobs, stop the cluster whatever the outcome. Logs and job outputs stay in
@@ -41,4 +69,4 @@ bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mcore build *.egg-info .pytest_cache .ruff_cache
