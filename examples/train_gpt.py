@@ -255,7 +255,7 @@ class StopRequest:
     The signal handler only records the signal. At the end of every step the ranks agree on
     whether any of them received one (a MAX all-reduce of one integer over a gloo group: no
     device sync), so that all stop after the same step even when the signal reached them at
-    different moments. Megatron-LM's ``--exit-signal-handler`` agrees the same way.
+    different moments (like Megatron-LM's ``--exit-signal-handler``, which gathers the flags every step).
     """
 
     def __init__(self) -> None:
