@@ -5,12 +5,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
+BACKENDS_STAMP := $(VENV)/.logging-backends-installed
+TORCH_PIN := $(VENV)/torch-constraint.txt
 
 # Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies
 # (never touching torch) and only where none is importable (a CUDA torch brings its own).
 TRITON_VERSION ?= 3.7.1
 
-.PHONY: setup test test-twinkle demo lint bench clean triton kernel-test gpu-check
+# `make test MCORE=0.14.0`: the suite against another megatron-core release, installed (pure Python, no
+# dependencies) into .mcore/VERSION and put ahead of the venv's megatron-core on PYTHONPATH.
+MCORE ?=
+ifneq ($(MCORE),)
+MCORE_DIR := .mcore/$(MCORE)
+MCORE_STAMP := $(MCORE_DIR)/.installed
+TEST_ENV := PYTHONPATH=$(abspath $(MCORE_DIR))
+endif
+
+.PHONY: setup test test-backends test-slurm test-twinkle demo lint bench clean triton kernel-test gpu-check
 
 setup: $(STAMP)
 
@@ -20,8 +31,36 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest tests
+test: $(STAMP) $(MCORE_STAMP)
+	$(TEST_ENV) $(PY) -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
+	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py
+
+$(MCORE_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(MCORE_DIR) megatron-core==$(MCORE)
+	touch $@
+
+# The logging backends against the real tensorboard, wandb, mlflow and swanlab (pinned in
+# tests/requirements-backends.txt), with the venv's torch pinned so that no install can replace it.
+test-backends: $(BACKENDS_STAMP)
+	$(PY) -m pytest tests/test_backends.py
+
+$(BACKENDS_STAMP): $(STAMP) tests/requirements-backends.txt
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) -m pip install -q -c $(TORCH_PIN) -r tests/requirements-backends.txt
+	$(PY) -c "import sys, torch; pin = open('$(TORCH_PIN)').read().split('==')[1].strip(); \
+	          sys.exit(None if torch.__version__ == pin else f'torch changed from {pin} to {torch.__version__}')"
+	touch $@
+
+# examples/slurm/train.sbatch on a real one-host Slurm (installed from the distribution when missing, root):
+# start the cluster, run the jobs, stop the cluster whatever the outcome. Logs and job outputs stay in
+# SLURM_TEST_DIR.
+SLURM_TEST_DIR ?= /tmp/twinkle-slurm-test
+test-slurm: $(STAMP)
+	SLURM_TEST_DIR=$(SLURM_TEST_DIR) bash tests/slurm/cluster.sh start
+	status=0; TWINKLE_SLURM_TEST=1 SLURM_CONF=$(SLURM_TEST_DIR)/slurm.conf $(PY) -m pytest tests/slurm -v -s \
+		-p no:cacheprovider --basetemp=$(SLURM_TEST_DIR)/pytest || status=$$?; \
+	SLURM_TEST_DIR=$(SLURM_TEST_DIR) bash tests/slurm/cluster.sh stop || status=$$?; \
+	exit $$status
 
 # Twinkle's own code as the caller and the oracle: twinkle-kit 0.5.1 with its dependencies (transformers,
 # datasets, modelscope...) in a venv of its own, torch held at the installed version by a constraints file.
@@ -61,4 +100,4 @@ gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) $(TWINKLE_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TWINKLE_VENV) .mcore build *.egg-info .pytest_cache .ruff_cache

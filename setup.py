@@ -1,7 +1,14 @@
+import re
+
 from setuptools import find_packages, setup
 
+# One version, in the package (twinkle_megatron.__version__, `twinkle-megatron --version`).
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("twinkle_megatron/__init__.py", encoding="utf-8").read(),
+                    re.M).group(1)
+
 extras = {
-    "te": ["transformer-engine"],
+    # Transformer Engine's PyTorch bindings: the bare package has none.
+    "te": ["transformer-engine[pytorch]"],
     "tensorboard": ["tensorboard"],
     "wandb": ["wandb"],
     "swanlab": ["swanlab"],
@@ -14,7 +21,7 @@ extras["dev"] = extras["test"]
 
 setup(
     name="twinkle-megatron",
-    version="0.1.0",
+    version=VERSION,
     description="Megatron-aware training metrics: Twinkle's metric API, correct under TP/PP/CP/DP.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

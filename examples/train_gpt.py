@@ -18,30 +18,58 @@ The task is synthetic and learnable (each sequence counts up from a random start
 by a random stride of 1–3, modulo the vocabulary): the loss falls and the
 accuracy rises within a few dozen steps.
 
-CPU (forked gloo ranks; megatron-core's CUDA calls are redirected by the test
-suite's CUDA-to-CPU shim)::
+The data of a step is a pure function of ``(seed, step, microbatch, DP rank)``,
+so a run resumed from a checkpoint sees exactly what an uninterrupted run saw.
 
-    python examples/train_gpt.py                       # TP2 × PP2 × DP2 on 8 ranks
+CPU (gloo; megatron-core's CUDA calls are redirected by the test suite's
+CUDA-to-CPU shim), either as ranks forked by this script or under torchrun::
+
+    python examples/train_gpt.py                       # TP2 × PP2 × DP2 on 8 forked ranks
     python examples/train_gpt.py --vpp 2 --steps 60    # the interleaved schedule
+    torchrun --nproc-per-node 4 examples/train_gpt.py --device cpu --tp 2 --pp 2
 
 GPUs (one process per GPU, NCCL, bf16; see examples/slurm/ for several nodes)::
 
     torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --pp 2
+
+Preemption: SIGUSR1 or SIGTERM makes every rank finish its current step, save a
+checkpoint of that step and exit with status 0; ``--resume`` continues from it
+(``examples/slurm/train.sbatch`` does both). Flags are checked before any rank
+starts: a layout or size that cannot work exits with status 2 and one message.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import math
 import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
 import warnings
 from datetime import timedelta
 from functools import partial
+from typing import Optional
 
-import torch
-import torch.distributed as dist
+# SIGUSR1 / SIGTERM (Slurm's time-limit warning, preemption) may come while torch imports, which takes
+# seconds: record them from here on (when run as a script); StopRequest reads them at the end of each step.
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+_received_signals: list[int] = []
+
+
+def _record_stop_signal(signum: int, frame) -> None:
+    _received_signals.append(signum)
+
+
+if __name__ == "__main__":
+    for _stop_signal in STOP_SIGNALS:
+        signal.signal(_stop_signal, _record_stop_signal)
+
+import torch  # noqa: E402  (after the signal handlers, on purpose)
+import torch.distributed as dist  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
@@ -67,8 +95,15 @@ def forward_step(data_iterator, model):
 # ------------------------------------------------------------------ data and model
 
 
-def counting_batch(args: argparse.Namespace, generator: torch.Generator) -> dict:
-    """``[micro_batch, seq]`` sequences ``start + stride·i (mod vocab)``; the first target is masked."""
+def counting_batch(args: argparse.Namespace, step: int, microbatch: int, dp_rank: int) -> dict:
+    """``[micro_batch, seq]`` sequences ``start + stride·i (mod vocab)``; the first target is masked.
+
+    A pure function of ``(seed, step, microbatch, dp_rank)``: data-parallel ranks see different
+    sequences, the ranks of one model replica the same, and a resumed run the same as an
+    uninterrupted one.
+    """
+    key = f"{args.seed}/{step}/{microbatch}/{dp_rank}".encode()
+    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
     size = (args.micro_batch_size, 1)
     start = torch.randint(0, args.vocab_size, size, generator=generator)
     stride = torch.randint(1, 4, size, generator=generator)
@@ -122,7 +157,10 @@ def build_model(args: argparse.Namespace, device: torch.device):
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
         batch_p2p_comm=args.vpp is None,  # the interleaved schedule with batched p2p is wrong on gloo
     )
-    model_parallel_cuda_manual_seed(1234, **({"inference_rng_tracker": True} if cpu else {}))
+    # Megatron-LM's seeding: the CPU generator (which initialises the weights with use_cpu_initialization)
+    # per pipeline stage, the same on the TP ranks that split one master weight; CUDA's per TP rank.
+    torch.manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    model_parallel_cuda_manual_seed(args.seed, **({"inference_rng_tracker": True} if cpu else {}))
     layer_spec = transformer_layer_spec(use_te=not cpu)
     chunks = []
     for stage in range(args.vpp or 1):
@@ -151,6 +189,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     from twinkle_megatron import Accuracy, MetricsTracker, TokenStatsMetric
     from twinkle_megatron.megatron import instrument
 
+    stop = StopRequest()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                  virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp)
     chunks, config = build_model(args, device)
@@ -159,6 +198,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         OptimizerConfig(optimizer="adam", lr=args.lr, bf16=device.type != "cpu",
                         clip_grad=0.0 if device.type == "cpu" else 1.0), chunks)
     forward_backward = get_forward_backward_func()
+    dp_rank = ps.get_data_parallel_rank()
     global_batch_size = args.micro_batch_size * args.microbatches * ps.get_data_parallel_world_size()
 
     log_path = os.path.join(args.run_dir, "metrics.jsonl")
@@ -173,12 +213,11 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
         global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir)
     first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
-    # Data-parallel ranks see different sequences; all ranks of one model replica see the same.
-    generator = torch.Generator().manual_seed(1000 * first_step + ps.get_data_parallel_rank())
 
+    step, stopped_by = first_step - 1, None
     for step in range(first_step, args.steps + 1):
         with tracker.step(step) as values:                                               # <- plugin
-            microbatches = [counting_batch(args, generator) for _ in range(args.microbatches)]
+            microbatches = [counting_batch(args, step, index, dp_rank) for index in range(args.microbatches)]
             microbatches = [{k: this_cp_rank(v).to(device) for k, v in mb.items()} for mb in microbatches]
             for chunk in chunks:
                 chunk.zero_grad_buffer()
@@ -190,14 +229,47 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             _, grad_norm, _ = optimizer.step()
             values.update(loss=reports, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
-        if args.save_interval and step % args.save_interval == 0:
+        stopped_by = stop.agreed()
+        if stopped_by is None and args.save_interval and step % args.save_interval == 0:
             save_checkpoint(args, chunks, optimizer, tracker, step)
+        if stopped_by is not None:
+            break
+    # close() first: it logs a partial last interval, whose counts the checkpoint must then hold.
     tracker.close()
     metrics.detach()
+    if stopped_by is not None:
+        save_checkpoint(args, chunks, optimizer, tracker, step)
+        if dist.get_rank() == 0:
+            print(f"[train] {stopped_by} received: stopped after step {step} of {args.steps} and saved a "
+                  f"checkpoint; --resume continues from step {step + 1}", flush=True)
+        return
     if dist.get_rank() == 0:
         from twinkle_megatron.cli import format_summary, load_run
 
-        print("\n" + format_summary(load_run(os.path.join(args.run_dir, "metrics.jsonl"))), flush=True)
+        print("\n" + format_summary(load_run(log_path)), flush=True)
+
+
+class StopRequest:
+    """SIGUSR1 / SIGTERM ask the loop to stop after the current step (Slurm's time-limit warning, preemption).
+
+    The signal handler only records the signal. At the end of every step the ranks agree on
+    whether any of them received one (a MAX all-reduce of one integer over a gloo group: no
+    device sync), so that all stop after the same step even when the signal reached them at
+    different moments (like Megatron-LM's ``--exit-signal-handler``, which gathers the flags every step).
+    """
+
+    def __init__(self) -> None:
+        if __name__ != "__main__":  # imported (tests): handle the signals only while training
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, _record_stop_signal)
+        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def agreed(self) -> Optional[str]:
+        """The name of a signal some rank received (the same on every rank), or None. Collective."""
+        flag = torch.tensor([_received_signals[0] if _received_signals else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        signum = int(flag[0])
+        return signal.Signals(signum).name if signum else None
 
 
 # ------------------------------------------------------------------ checkpoints (resume after a requeue)
@@ -208,7 +280,12 @@ def _checkpoint_path(args: argparse.Namespace) -> str:
 
 
 def save_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker, step: int) -> None:
-    """Every rank saves its own shard (model chunks, optimizer, tracker) for a requeued job."""
+    """Every rank saves its own shard (model chunks, optimizer, tracker) for a requeued job.
+
+    Only tensors, numbers, strings and containers of them, so that :func:`load_checkpoint`
+    can read it with ``weights_only=True``. Written to a temporary file and renamed: a job
+    killed while saving leaves the previous checkpoint intact.
+    """
     path = _checkpoint_path(args)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"step": step, "model": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
@@ -218,11 +295,15 @@ def save_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker, step: 
 
 
 def load_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker) -> int:
-    """The step to continue after (0 when there is no checkpoint yet)."""
+    """The step to continue after (0 when there is no checkpoint yet).
+
+    ``weights_only=True``: unpickling runs no code, so a file planted in the run directory
+    cannot execute anything on resume (it fails to load instead).
+    """
     path = _checkpoint_path(args)
     if not os.path.exists(path):
         return 0
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     for chunk, chunk_state in zip(chunks, state["model"]):
         chunk.load_state_dict(chunk_state)
     optimizer.load_state_dict(state["optimizer"])
@@ -232,29 +313,20 @@ def load_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker) -> int
     return int(state["step"])
 
 
-# ------------------------------------------------------------------ launching
-
-
-def _cpu_worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=5))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from cuda_shim import cpu_cuda_shim  # megatron-core calls CUDA directly; on CPU this redirects it
-
-    with cpu_cuda_shim():
-        train(args, torch.device("cpu"))
-    dist.barrier()
-    dist.destroy_process_group()
+# ------------------------------------------------------------------ flags
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (:func:`flag_problems`): a usage error exits with status 2 before any rank starts."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=2, help="data-parallel size (CPU launch; torchrun: world / TP·PP)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel size (forked CPU ranks: default 2; torchrun: world / TP·PP·CP)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
     parser.add_argument("--cp", type=int, default=1, help="context parallelism (needs Transformer Engine attention)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA when available; cpu: gloo and the CPU shim, also under torchrun")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-interval", type=int, default=5)
     parser.add_argument("--microbatches", type=int, default=4)
@@ -265,14 +337,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234, help="model initialisation and data")
     parser.add_argument("--run-name", default=os.environ.get("SLURM_JOB_NAME", "demo"))
     parser.add_argument("--log-dir", default="runs", help="RUN_DIR is LOG_DIR/RUN_NAME")
     parser.add_argument("--backends", nargs="+", default=None,
                         help="stdout jsonl tensorboard wandb swanlab mlflow (default: stdout jsonl, "
                              "and tensorboard when installed)")
-    parser.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0: never)")
+    parser.add_argument("--save-interval", type=int, default=0,
+                        help="checkpoint every N steps, a multiple of --log-interval (0: never; a stop signal "
+                             "always saves)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
     args = parser.parse_args(argv)
+    under_torchrun = "RANK" in os.environ
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else None
+    args.device = _device(args.device)
+    if args.dp is None and not under_torchrun:
+        args.dp = 2
+    problems = flag_problems(args, world_size)
+    if problems:
+        if int(os.environ.get("RANK", 0)) != 0:  # under torchrun rank 0 alone says it
+            sys.exit(2)
+        parser.error("; ".join(problems))
+    if under_torchrun:
+        args.dp = world_size // (args.tp * args.pp * args.cp)
     # Megatron-LM pads the vocabulary to a multiple of 128·TP; a multiple of TP is enough to show padding.
     args.padded_vocab_size = -(-args.vocab_size // args.tp) * args.tp + args.tp
     args.run_dir = os.path.join(args.log_dir, args.run_name)
@@ -287,21 +374,117 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ:  # torchrun: one process per GPU
-        cuda = torch.cuda.is_available()
-        dist.init_process_group("nccl" if cuda else "gloo")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        train(args, device)
-        dist.destroy_process_group()
-        return
+def _device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
 
+
+def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) -> list[str]:
+    """What makes these flags impossible, each as a sentence naming the flags (empty when they work).
+
+    ``world_size``: the ranks torchrun started (None when this script forks the ranks, from ``--dp``).
+    The checks are Megatron's own (heads and layers divisible by TP, PP and VPP; microbatches by PP
+    with VPP; the sequence by 2·CP) and this script's; the vocabulary needs none: it is padded to a
+    multiple of TP.
+    """
+    problems = []
+    at_least = {"steps": 1, "tp": 1, "pp": 1, "cp": 1, "log_interval": 1, "microbatches": 1,
+                "micro_batch_size": 1, "seq_length": 2, "vocab_size": 2, "layers": 1, "hidden_size": 1, "heads": 1,
+                "save_interval": 0}
+    if args.dp is not None:
+        at_least["dp"] = 1
+    if args.vpp is not None:
+        at_least["vpp"] = 1
+    for name, low in at_least.items():
+        if getattr(args, name) < low:
+            problems.append(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        problems.append(f"--lr must be a positive number, got {args.lr}")
+    if not args.run_name or os.sep in args.run_name:
+        problems.append(f"--run-name must be a non-empty name without {os.sep!r}, got {args.run_name!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        problems.append("--device cuda, but CUDA is not available")
+    if problems:
+        return problems  # the divisibility checks below need positive sizes
+    if args.heads % args.tp:
+        problems.append(f"--heads {args.heads} is not divisible by --tp {args.tp}")
+    if args.hidden_size % args.heads:
+        problems.append(f"--hidden-size {args.hidden_size} is not divisible by --heads {args.heads}")
+    stages = args.pp * (args.vpp or 1)
+    if args.layers % stages:
+        what = f"--pp {args.pp} × --vpp {args.vpp}" if args.vpp else f"--pp {args.pp}"
+        problems.append(f"--layers {args.layers} is not divisible by {what} = {stages} pipeline stages")
+    if args.vpp is not None and args.pp < 2:
+        problems.append(f"--vpp needs --pp of at least 2, got --pp {args.pp}")
+    if args.vpp is not None and args.microbatches % args.pp:
+        problems.append(f"the interleaved schedule (--vpp) needs --microbatches divisible by --pp {args.pp}, "
+                        f"got {args.microbatches}")
     if args.cp > 1:
-        raise SystemExit("--cp > 1 needs Transformer Engine's attention (megatron-core's local attention has no "
-                         "context parallelism): run on GPUs under torchrun")
+        if args.seq_length % (2 * args.cp):
+            problems.append(f"--seq-length {args.seq_length} is not divisible by 2 × --cp {args.cp}")
+        if args.device == "cpu":
+            problems.append("--cp > 1 needs Transformer Engine's attention (megatron-core's local attention has "
+                            "no context parallelism): run on GPUs under torchrun")
+    if args.save_interval % args.log_interval:
+        problems.append(f"--save-interval {args.save_interval} is not a multiple of --log-interval "
+                        f"{args.log_interval}: a checkpoint between log steps would lose the counts of the "
+                        "steps since the last record")
+    model_parallel = args.tp * args.pp * args.cp
+    if world_size is not None:
+        if world_size % model_parallel:
+            problems.append(f"torchrun started {world_size} ranks, not divisible by --tp {args.tp} × --pp "
+                            f"{args.pp} × --cp {args.cp} = {model_parallel}")
+        elif args.dp is not None and args.dp != world_size // model_parallel:
+            problems.append(f"--dp {args.dp} does not match torchrun's {world_size} ranks / {model_parallel} "
+                            f"= {world_size // model_parallel}; leave --dp out under torchrun")
+    return problems
+
+
+# ------------------------------------------------------------------ launching
+
+
+@contextlib.contextmanager
+def _megatron_on(device: str):
+    """megatron-core calls CUDA directly; on CPU the test suite's shim redirects those calls."""
+    if device != "cpu":
+        yield
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from cuda_shim import cpu_cuda_shim
+
+    with cpu_cuda_shim():
+        yield
+
+
+def _cpu_worker(rank: int, world_size: int, store_path: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=5))
+    with _megatron_on("cpu"):
+        train(args, torch.device("cpu"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _torchrun_rank(args: argparse.Namespace) -> None:
+    """One rank started by torchrun: NCCL on its GPU, or gloo on the CPU."""
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    with _megatron_on(device.type):
+        train(args, device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _fork_cpu_ranks(args: argparse.Namespace) -> None:
+    """TP×PP×DP gloo ranks forked from this process (megatron is imported once, here)."""
     world_size = args.tp * args.pp * args.dp
     import megatron.core.parallel_state  # noqa: F401  (import once; forked ranks inherit it)
 
@@ -316,10 +499,29 @@ def main(argv=None) -> None:
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()
+
+        def forward(signum: int, frame) -> None:  # a stop signal sent to this process reaches every rank
+            for proc in procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signum)
+
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, forward)
         for proc in procs:
             proc.join()
     if any(proc.exitcode for proc in procs):
         raise SystemExit(f"ranks {[r for r, p in enumerate(procs) if p.exitcode]} failed")
+
+
+def main(argv=None) -> None:
+    # Megatron's TP/SP communication overlap needs kernels issued in order (Megatron-LM warns without it);
+    # CUDA reads it when it starts, so before anything touches CUDA.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # torchrun: one process per GPU (or CPU rank)
+        _torchrun_rank(args)
+    else:
+        _fork_cpu_ranks(args)
 
 
 if __name__ == "__main__":

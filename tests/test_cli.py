@@ -26,12 +26,12 @@ def gpu_run_records(steps=range(10, 121, 10)) -> list[dict]:
         loss = 3.0 * math.exp(-step / 40) + 0.5
         step_time = 0.5 + (0.3 if step == 60 else 0.0)  # one straggler step
         records.append({
-            "step": step, "loss": loss, "loss_ema": loss + 0.2, "loss_spike": int(step == 90),
+            "step": step, "loss": loss, "train/loss_ema": loss + 0.2, "train/loss_spike": int(step == 90),
             "accuracy": 1 - 0.9 * math.exp(-step / 40), "logprob": -loss, "entropy": 0.8 * loss,
-            "grad_norm": None if step == 70 else 1 / step, "learning_rate": 3e-4,
-            "tokens_per_second": 4096 / step_time, "tokens_per_second_ema": 8000.0, "tflops_per_gpu": 300.0,
-            "mfu": 0.4, "mfu_ema": 0.39, "step_time": step_time, "step_time_min": 0.45,
-            "step_time_ema": 0.52, "slowest_rank": 3 if step == 60 else 0,
+            "grad_norm": None if step == 70 else 1 / step, "learning rate": 3e-4,
+            "perf/tokens_per_second": 4096 / step_time, "perf/tokens_per_second_ema": 8000.0,
+            "perf/tflops_per_gpu": 300.0, "perf/mfu": 0.4, "perf/mfu_ema": 0.39, "perf/step_time": step_time,
+            "perf/step_time_min": 0.45, "perf/step_time_ema": 0.52, "perf/slowest_rank": 3 if step == 60 else 0,
             "memory/allocated_gib": 20.0, "memory/peak_allocated_gib": 50.0, "memory/reserved_gib": 60.0,
             "memory/peak_reserved_gib": 62.0, "memory/total_gib": 80.0, "memory/utilization": 0.775,
         })
@@ -113,7 +113,8 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkey
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     log = write_jsonl(tmp_path / "metrics.jsonl", gpu_run_records())
     assert run_cli("plot", log, "-o", str(tmp_path / "plots")) == 1
-    assert "pip install 'twinkle-megatron[plot]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pip install matplotlib" in err and "pip install -e '.[plot]'" in err
 
 
 # ------------------------------------------------------------------ summary
@@ -132,9 +133,9 @@ def test_summary_prints_a_table(tmp_path, capsys):
     assert rows["loss"] == ["12", "0", f"{losses[0]:.5g}", f"{losses[-1]:.5g}", f"{min(losses):.5g}",
                             f"{max(losses):.5g}", f"{sum(losses) / len(losses):.5g}"]
     assert rows["grad_norm"][:2] == ["11", "1"]  # the null (non-finite) value is counted apart
-    assert rows["slowest_rank"] == ["12", "0", "0", "0", "0", "3", "0.25"]
-    assert rows["tokens_per_second"][2] == "8192"  # whole numbers print without an exponent
-    assert list(rows)[:3] == ["loss", "loss_ema", "loss_spike"]  # reading order, eval/* last
+    assert rows["perf/slowest_rank"] == ["12", "0", "0", "0", "0", "3", "0.25"]
+    assert rows["perf/tokens_per_second"][2] == "8192"  # whole numbers print without an exponent
+    assert list(rows)[:3] == ["loss", "train/loss_ema", "train/loss_spike"]  # reading order, eval/* last
     assert list(rows)[-2:] == ["eval/accuracy", "eval/loss"]
 
 
@@ -186,7 +187,13 @@ def test_help_and_usage_errors(capsys):
     assert run_cli("--help") == 0
     assert "plot" in capsys.readouterr().out
     assert run_cli("plot", "--help") == 0
-    assert "overview.png" in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "overview.png" in text
+    assert "(default: a 'plots' directory next to the log)" in text and "(default: none)" in text
+    assert run_cli("--version") == 0
+    from twinkle_megatron import __version__
+
+    assert capsys.readouterr().out.strip() == f"twinkle-megatron {__version__}"
     assert run_cli() == 2  # no command: argparse's usage error
     assert "error:" in capsys.readouterr().err
 
@@ -200,3 +207,34 @@ def test_the_module_runs_as_a_program_without_a_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == f"twinkle-megatron: error: {path}, line 2: not valid JSON " \
                                     "(Expecting value, column 1)"
+
+
+# ------------------------------------------------------------------ logs that hold more than one timeline
+
+
+def test_repeated_and_backward_steps_warn_and_the_later_value_wins(tmp_path, capsys):
+    """Two runs appended to one log by other means (not the tracker, whose restarts supersede)."""
+    records = [{"step": 1, "loss": 3.0}, {"step": 5, "loss": 2.0}, {"step": 10, "loss": 1.0},
+               {"step": 10, "eval/loss": 1.1},  # same step, other key: normal, no warning
+               {"step": 5, "loss": 2.5}, {"step": 10, "loss": 1.5}]  # restarted at 5 without superseding
+    log = write_jsonl(tmp_path / "metrics.jsonl", records)
+    assert run_cli("summary", log) == 0
+    captured = capsys.readouterr()
+    assert "steps go backwards 1 time(s), first at line 5: step 5 after step 10 (line 4)" in captured.err
+    assert "2 value(s) logged twice for the same step, first 'loss' at step 5 (lines 2 and 5); " \
+           "the later value is used" in captured.err
+    rows = {line.split()[0]: line.split()[1:] for line in captured.out.splitlines()[4:]}
+    assert rows["loss"][:3] == ["3", "3", "1.5"], "n, first, last: steps 1, 5, 10 once each, later values"
+    assert load_run(log).series("loss") == ([1, 5, 10], [3.0, 2.5, 1.5])
+    assert load_run(log).series("eval/loss") == ([10], [1.1])
+
+
+def test_a_tracker_log_after_a_restart_reads_without_warnings(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    for _ in range(2):  # a requeue before the first checkpoint: the run starts at step 1 again
+        tracker = MetricsTracker(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path))
+        for step in range(1, 5):
+            tracker.end_step(step, loss=1.0)
+        tracker.close()
+    assert run_cli("summary", str(path)) == 0
+    assert capsys.readouterr().err == ""

@@ -1,30 +1,59 @@
-"""The demo (examples/train_gpt.py) end to end: a real Megatron run logs the plugin's metrics, and resumes."""
+"""The demo (examples/train_gpt.py) end to end: a real Megatron run logs the plugin's metrics, resumes,
+stops cleanly on a preemption signal, refuses impossible flags and loads only plain-data checkpoints."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+import torch
+
+from twinkle_megatron import keys
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+
+
+def _load_script():
+    """examples/train_gpt.py is a script: load it from its path (as a module it installs no signal handler)."""
+    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_gpt = _load_script()
+
+
+def _command(tmp_path: Path, *flags: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--tp", "2", "--pp", "2", "--dp", "1", "--log-interval", "2",
+            "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl", *flags]
+
+
+def _records(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 def _run(tmp_path: Path, *flags: str) -> list[dict]:
-    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "2", "--pp", "2", "--dp", "1",
-               "--log-interval", "2", "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl",
-               *flags]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    done = subprocess.run(_command(tmp_path, *flags), capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    path = tmp_path / "run" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return _records(tmp_path)
 
 
 def test_demo_trains_and_logs_the_plugin_metrics_then_resumes(tmp_path):
     records = _run(tmp_path, "--steps", "4", "--save-interval", "2")
     assert [r["step"] for r in records] == [1, 2, 4]
     for record in records:
-        for key in ("loss", "accuracy", "entropy", "logprob", "tokens_per_second", "step_time", "slowest_rank"):
+        for key in ("loss", "accuracy", "entropy", "logprob", "perf/tokens_per_second", "perf/step_time",
+                    "perf/slowest_rank"):
             assert key in record, key
     assert records[0]["total_tokens"] == 4 * 4 * 31  # microbatches × micro batch × masked sequence
     assert records[-1]["loss"] < records[0]["loss"] and records[-1]["accuracy"] > records[0]["accuracy"], \
@@ -32,4 +61,153 @@ def test_demo_trains_and_logs_the_plugin_metrics_then_resumes(tmp_path):
     # A requeued job: continue from the step-4 checkpoint to step 6, no step logged twice.
     records = _run(tmp_path, "--steps", "6", "--save-interval", "2", "--resume")
     assert [r["step"] for r in records] == [1, 2, 4, 6]
-    assert records[-1]["tokens_total"] == 6 * 4 * 4 * 31
+    assert records[-1]["train/consumed_tokens"] == 6 * 4 * 4 * 31
+
+
+# ------------------------------------------------------------------ preemption: stop after the step, save, resume
+
+
+def _interrupt(tmp_path: Path, signum: int, flags: tuple[str, ...], after_records: int) -> tuple[int, str]:
+    """Start the demo, send ``signum`` to it once ``after_records`` records are logged; (exit status, stdout)."""
+    proc = subprocess.Popen(_command(tmp_path, *flags), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    log = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and log.read_text().count("\n") >= after_records:
+            proc.send_signal(signum)  # to the launching process: it passes the signal to every rank
+            break
+        time.sleep(0.1)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"the demo did not stop after the signal:\n{output[-3000:]}")
+    return proc.returncode, output
+
+
+STOP_FLAGS = ("--steps", "16", "--log-interval", "1", "--tp", "1", "--pp", "1", "--dp", "2", "--layers", "2",
+              "--hidden-size", "32", "--heads", "2", "--seq-length", "16", "--microbatches", "2")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("whole"), *STOP_FLAGS)
+
+
+def _pooled(records: list[dict]) -> tuple[list[int], list[int], float]:
+    """Per record: steps and tokens since the previous record; and the token-weighted loss of the run.
+
+    Independent of where the records split the run (the log interval, a stop between log steps).
+    """
+    steps = [r["step"] - previous for r, previous in zip(records, [0] + [r["step"] for r in records])]
+    consumed = [r[keys.CONSUMED_TOKENS] for r in records]
+    tokens = [n - previous for n, previous in zip(consumed, [0] + consumed)]
+    return steps, tokens, sum(r[keys.LOSS] * n for r, n in zip(records, tokens)) / sum(tokens)
+
+
+def test_a_stop_signal_saves_after_the_current_step_and_the_resumed_run_loses_nothing(tmp_path, uninterrupted):
+    """SIGUSR1 to the demo: every rank ends its step, the partial log interval is logged, all ranks save
+    that step, exit 0; the resumed run logs every remaining step once; totals equal an uninterrupted run's.
+    (Per-record equality with every step logged: tests/slurm, through Slurm's USR1 and TERM.)"""
+    flags = (*STOP_FLAGS, "--log-interval", "4")
+    status, output = _interrupt(tmp_path, signal.SIGUSR1, flags, after_records=2)
+    assert status == 0, output[-3000:]
+    stopped = re.search(r"\[train\] SIGUSR1 received: stopped after step (\d+) of 16", output)
+    assert stopped, output[-3000:]
+    step = int(stopped.group(1))
+    assert 4 <= step < 16
+    assert [r["step"] for r in _records(tmp_path)] == sorted({1, *range(4, step + 1, 4), step})
+    for rank in range(2):  # every rank saved the step it stopped after, with the counts logged up to it
+        state = torch.load(tmp_path / "run" / "checkpoint" / f"rank{rank:05d}.pt", weights_only=True)
+        assert state["step"] == step == state["tracker"]["step"]
+        assert state["tracker"]["consumed_tokens"] == _records(tmp_path)[-1][keys.CONSUMED_TOKENS]
+    resumed = _run(tmp_path, *flags, "--resume")
+    assert [r["step"] for r in resumed] == sorted({1, step, *range(4, 17, 4)}), "every record once, in order"
+    steps, tokens, loss = _pooled(resumed)
+    reference_steps, reference_tokens, reference_loss = _pooled(uninterrupted)
+    assert sum(steps) == sum(reference_steps) == 16
+    assert sum(tokens) == sum(reference_tokens) == resumed[-1][keys.CONSUMED_TOKENS]
+    assert all(n == tokens[0] * s for n, s in zip(tokens, steps)), "every step's tokens counted once"
+    assert math.isclose(loss, reference_loss, rel_tol=1e-6), "the resumed run trains as the uninterrupted one"
+
+
+# ------------------------------------------------------------------ flags checked before any rank starts
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--dp", "0"], "--dp must be at least 1, got 0"),
+    (["--tp", "0"], "--tp must be at least 1, got 0"),
+    (["--tp", "3"], "--heads 4 is not divisible by --tp 3"),
+    (["--layers", "3"], "--layers 3 is not divisible by --pp 2 = 2 pipeline stages"),
+    (["--vpp", "2", "--layers", "6"], "--layers 6 is not divisible by --pp 2 × --vpp 2 = 4 pipeline stages"),
+    (["--vpp", "2", "--pp", "1"], "--vpp needs --pp of at least 2"),
+    (["--vpp", "2", "--microbatches", "3"], "needs --microbatches divisible by --pp 2, got 3"),
+    (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --heads 4"),
+    (["--cp", "2"], "--cp > 1 needs Transformer Engine's attention"),
+    (["--seq-length", "1"], "--seq-length must be at least 2"),
+    (["--save-interval", "3"], "--save-interval 3 is not a multiple of --log-interval 5"),
+    (["--lr", "nan"], "--lr must be a positive number"),
+    (["--steps", "0", "--tp", "0"], "--steps must be at least 1, got 0; --tp must be at least 1, got 0"),
+])
+def test_impossible_flags_exit_2_with_one_message(flags, message, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        train_gpt.parse_args(flags)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_under_torchrun_the_world_must_fit_the_layout(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(SystemExit) as exit_:
+        train_gpt.parse_args(["--tp", "2", "--pp", "2"])
+    assert exit_.value.code == 2
+    assert "torchrun started 6 ranks, not divisible by --tp 2 × --pp 2 × --cp 1 = 4" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--tp", "2", "--pp", "2", "--dp", "4"])
+    assert "--dp 4 does not match torchrun's 8 ranks / 4 = 2" in capsys.readouterr().err
+    assert train_gpt.parse_args(["--tp", "2", "--pp", "2"]).dp == 2
+    monkeypatch.setenv("RANK", "3")  # the other ranks exit quietly: one message per job
+    with pytest.raises(SystemExit) as exit_:
+        train_gpt.parse_args(["--tp", "3"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_bad_flags_stop_the_script_before_it_starts_ranks():
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tp", "3"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "train_gpt.py: error: --heads 4 is not divisible by --tp 3"
+    assert "CPU ranks" not in done.stdout and time.monotonic() - started < 30
+
+
+# ------------------------------------------------------------------ checkpoints are data, not code
+
+
+class _PlantedCode:
+    """What a planted checkpoint could hold: unpickling it calls ``Path.touch(marker)``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_resume_never_runs_code_from_a_planted_checkpoint(tmp_path):
+    marker = tmp_path / "code-ran"
+    checkpoint = tmp_path / "run" / "checkpoint" / "rank00000.pt"
+    checkpoint.parent.mkdir(parents=True)
+    torch.save({"step": 3, "model": _PlantedCode(marker)}, checkpoint)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "4",
+                           "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl", "--resume"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0
+    assert "Weights only load failed" in done.stderr
+    assert not marker.exists(), "unpickling the planted checkpoint ran its code"

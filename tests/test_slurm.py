@@ -183,3 +183,35 @@ def test_sbatch_dry_run_end_to_end(tmp_path):
                         "--rdzv-endpoint=gpu-a:24242 --rdzv-id=4242 examples/train_gpt.py --tp 2 --pp 2 "
                         "--run-name gpt-4242 --log-dir runs --resume --steps 100 --micro-batch-size 4 "
                         "--microbatches 8 --log-interval 10 --save-interval 100 --backends stdout jsonl wandb"]
+
+
+def test_sbatch_dry_run_without_an_allocation(tmp_path):
+    """`DRY_RUN=1 bash train.sbatch` outside Slurm: no srun needed; one torchrun line per node of NODES."""
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DRY_RUN": "1", "NODES": "2", "GPUS_PER_NODE": "4",
+           "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "DRY_RUN outside an allocation: NODES=2 × GPUS_PER_NODE=4" in result.stdout
+    torchrun = [line for line in result.stdout.splitlines() if line.startswith("torchrun")]
+    assert [line.split()[3] for line in torchrun] == ["--node-rank=0", "--node-rank=1"]
+    for line in torchrun:
+        assert line.startswith("torchrun --nnodes=2 --nproc-per-node=4 ")
+        assert "--rdzv-endpoint=node1:20000 --rdzv-id=0 examples/train_gpt.py --tp 2 --pp 2 --run-name twinkle-gpt-0" \
+            in line
+
+
+def test_sbatch_exports_cuda_device_max_connections():
+    with open(SBATCH) as file:
+        assert "export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}" in file.read()
+
+
+def test_torchrun_is_started_ignoring_usr1(tmp_path):
+    """Slurm signals every process of a step; USR1 must reach the training ranks without killing torchrun."""
+    fake_torchrun = tmp_path / "torchrun"
+    fake_torchrun.write_text(f"#!{sys.executable}\nimport signal\nprint(signal.getsignal(signal.SIGUSR1).name)\n")
+    fake_torchrun.chmod(0o755)
+    env = {**SLURM_ENV, "PATH": os.environ["PATH"]}
+    result = subprocess.run([sys.executable, os.path.join(SLURM_DIR, "launch.py"), "--torchrun", str(fake_torchrun),
+                             "train.py"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "SIG_IGN"

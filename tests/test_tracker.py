@@ -34,11 +34,11 @@ def test_log_steps_and_megatron_loss_reports():
     assert first["loss"] == pytest.approx((6 + 1) / 4)
     # Steps 2 and 3 pooled by tokens: (6 + 2 + 6 + 3) / (4 + 4).
     assert third["loss"] == pytest.approx(17 / 8)
-    assert third["steps"] == 2 and third["tokens"] == 6 and third["tokens_total"] == 9
-    assert sixth["grad_norm"] == 3.0 and sixth["learning_rate"] == pytest.approx(6e-4)
-    assert sixth["num_zeros_in_grad"] == 7 and sixth["nonfinite_loss_steps"] == 0
-    assert sixth["tokens_total"] == 18
-    assert "mfu" not in sixth and not any(key.startswith("memory/") for key in sixth), "CPU: no MFU, no memory"
+    assert third["train/consumed_tokens"] == 9, "3 real tokens per step (one label is padding)"
+    assert sixth["grad_norm"] == 3.0 and sixth["learning rate"] == pytest.approx(6e-4)
+    assert sixth["train/num_zeros_in_grad"] == 7 and sixth["train/nonfinite_loss_steps"] == 0
+    assert sixth["train/consumed_tokens"] == 18
+    assert "perf/mfu" not in sixth and not any(key.startswith("memory/") for key in sixth), "CPU: no MFU, no memory"
     assert all(isinstance(value, (int, float)) for value in sixth.values())
 
 
@@ -48,7 +48,7 @@ def test_context_manager_and_step_numbering():
         with tracker.step() as values:
             values.update(loss=torch.tensor(1.5), tokens=10)
     assert tracker.last_step == 4 and tracker.last_record["loss"] == 1.5
-    assert tracker.last_record["tokens"] == 20 and tracker.last_record["step_time"] >= 0
+    assert tracker.last_record["train/consumed_tokens"] == 40 and tracker.last_record["perf/step_time"] >= 0
 
 
 def test_end_step_never_syncs_with_the_host():
@@ -60,7 +60,7 @@ def test_end_step_never_syncs_with_the_host():
                              lr=torch.tensor(1e-3), loss_mask=torch.ones(2, 8), num_zeros=torch.tensor(0.0),
                              seq_lengths=torch.tensor([3, 5]))
             tracker.end_step(step, loss=torch.tensor(float("nan")), labels=torch.zeros(2, 4, dtype=torch.long))
-    assert tracker.end_step(4)["nonfinite_loss_steps"] == 2
+    assert tracker.end_step(4)["train/nonfinite_loss_steps"] == 2
 
 
 def test_nonfinite_values_are_counted_and_left_out_of_the_loss():
@@ -68,16 +68,16 @@ def test_nonfinite_values_are_counted_and_left_out_of_the_loss():
     tracker.end_step(1, loss=1.0)
     tracker.end_step(2, loss=torch.tensor(float("inf")), grad_norm=float("nan"))
     record = tracker.end_step(3, loss=torch.tensor([4.0, 2.0]), grad_norm=torch.tensor(1.0))
-    assert record["loss"] == 2.0 and record["nonfinite_loss_steps"] == 1
-    assert record["nonfinite_grad_norm_steps"] == 1
+    assert record["loss"] == 2.0 and record["train/nonfinite_loss_steps"] == 1
+    assert record["train/nonfinite_grad_norm_steps"] == 1
 
 
 def test_loss_spike_against_the_smoothed_loss():
     tracker = quiet_tracker(log_interval=1, spike_threshold=0.5, ema_alpha=0.5)
-    spikes = [tracker.end_step(loss=loss)["loss_spike"] for loss in (2.0, 2.0, 2.0, 2.9, 4.0, 2.0)]
+    spikes = [tracker.end_step(loss=loss)["train/loss_spike"] for loss in (2.0, 2.0, 2.0, 2.9, 4.0, 2.0)]
     # EMA before each: -, 2, 2, 2, 2.45, 3.225: only 4.0 > 1.5·2.45.
     assert spikes == [0, 0, 0, 0, 1, 0]
-    assert tracker.last_record["loss_ema"] == pytest.approx(0.5 * 2.0 + 0.5 * 3.225)
+    assert tracker.last_record["train/loss_ema"] == pytest.approx(0.5 * 2.0 + 0.5 * 3.225)
 
 
 def test_mfu_only_against_a_known_peak():
@@ -85,18 +85,19 @@ def test_mfu_only_against_a_known_peak():
     flops = num_floating_point_operations(config, 4, 16, vocab)
     common = dict(log_interval=1, model_config=config, padded_vocab_size=vocab, seq_length=16, global_batch_size=4)
     cpu = quiet_tracker(**common).end_step(1, tokens=64)
-    assert "mfu" not in cpu and cpu["tflops_per_gpu"] == pytest.approx(flops / (cpu["step_time"] * 1e12))
+    assert "perf/mfu" not in cpu
+    assert cpu["perf/tflops_per_gpu"] == pytest.approx(flops / (cpu["perf/step_time"] * 1e12))
     unknown = quiet_tracker(device_name="NVIDIA GeForce RTX 4090", **common).end_step(1, tokens=64)
-    assert "mfu" not in unknown
+    assert "perf/mfu" not in unknown
     h100 = quiet_tracker(device_name="NVIDIA H100 80GB HBM3", **common).end_step(1, tokens=64)
-    assert h100["mfu"] == pytest.approx(h100["tflops_per_gpu"] / 989.5)
+    assert h100["perf/mfu"] == pytest.approx(h100["perf/tflops_per_gpu"] / 989.5)
     pcie = quiet_tracker(device_name="NVIDIA H100 PCIe", **common).end_step(1, tokens=64)
-    assert pcie["mfu"] == pytest.approx(pcie["tflops_per_gpu"] / 756.5)
+    assert pcie["perf/mfu"] == pytest.approx(pcie["perf/tflops_per_gpu"] / 756.5)
     config.fp8 = "hybrid"  # FP8 training: MFU against the FP8 peak
     fp8 = quiet_tracker(device_name="NVIDIA H100 80GB HBM3", **common).end_step(1, tokens=64)
-    assert fp8["mfu"] == pytest.approx(fp8["tflops_per_gpu"] / 1979.0)
+    assert fp8["perf/mfu"] == pytest.approx(fp8["perf/tflops_per_gpu"] / 1979.0)
     override = quiet_tracker(peak_tflops=0.5, **common).end_step(1, tokens=64)
-    assert override["mfu"] == pytest.approx(override["tflops_per_gpu"] / 0.5)
+    assert override["perf/mfu"] == pytest.approx(override["perf/tflops_per_gpu"] / 0.5)
 
 
 def test_packed_sequence_lengths_give_the_flops():
@@ -105,7 +106,7 @@ def test_packed_sequence_lengths_give_the_flops():
     tracker.end_step(1, seq_lengths=[4, 12])
     record = tracker.end_step(2, seq_lengths=torch.tensor([16, 2, 6]))
     expected = num_floating_point_operations(config, 1, 24, vocab, seq_lengths=[16, 2, 6])
-    assert record["tflops_per_gpu"] * record["step_time"] * 1e12 == pytest.approx(expected)
+    assert record["perf/tflops_per_gpu"] * record["perf/step_time"] * 1e12 == pytest.approx(expected)
 
 
 def test_memory_record(monkeypatch):
@@ -133,9 +134,9 @@ def test_state_dict_continues_steps_totals_and_ema():
     resumed.load_state_dict(tracker.state_dict())
     resumed.end_step(loss=1.0, tokens=5)
     record = resumed.end_step(loss=1.0, tokens=5)
-    assert resumed.last_step == 6 and record["tokens_total"] == 30
+    assert resumed.last_step == 6 and record["train/consumed_tokens"] == 30
     weight = 1 - 0.9 ** 2  # the interval of two steps folded in with the weight of two per-step updates
-    assert record["loss_ema"] == pytest.approx(weight * 1.0 + (1 - weight) * 3.0)
+    assert record["train/loss_ema"] == pytest.approx(weight * 1.0 + (1 - weight) * 3.0)
 
 
 # ---------------------------------------------------------------- multi-rank
@@ -181,14 +182,15 @@ def test_tokens_are_real_and_global_and_the_tracker_shares_the_one_sync():
         assert counts == [{"all_reduce": 2}, {"all_reduce": 2}, {}, {"all_reduce": 2}]
         assert records[2] is None
         last = records[3]
-        assert last["tokens"] == 2 * tokens_per_step and last["tokens_total"] == 4 * tokens_per_step
-        seconds = last["step_time"] * last["steps"]
-        assert last["tokens_per_second"] == pytest.approx(last["tokens"] / seconds)
-        assert last["tokens_per_second_per_gpu"] == pytest.approx(last["tokens_per_second"] / 8)
+        assert records[1]["train/consumed_tokens"] == 2 * tokens_per_step
+        assert last["train/consumed_tokens"] == 4 * tokens_per_step
+        seconds = last["perf/step_time"] * 2  # two steps in the interval
+        assert last["perf/tokens_per_second"] == pytest.approx(2 * tokens_per_step / seconds)
+        assert last["perf/tokens_per_second_per_gpu"] == pytest.approx(last["perf/tokens_per_second"] / 8)
         assert last["loss"] == 2.0 and last["iters"] == 4 and last["learning rate"] == 1e-3
-        assert last["loss_ema"] == 2.0, "a metric's loss is smoothed like the tracker's own"
-    timing_free = [{k: v for k, v in r[0][3].items() if "second" not in k and "time" not in k and k != "slowest_rank"
-                    and k != "speed" and k != "total time elapse"} for r in results]
+        assert last["train/loss_ema"] == 2.0, "a metric's loss is smoothed like the tracker's own"
+    timing_free = [{k: v for k, v in r[0][3].items() if "second" not in k and "time" not in k
+                    and k != "perf/slowest_rank" and k != "speed" and k != "total time elapse"} for r in results]
     assert all(r == timing_free[0] for r in timing_free), "every rank gets the same record"
 
 
@@ -206,8 +208,8 @@ def _one_slow_rank(slow_rank: int) -> dict:
 def test_step_time_min_max_and_slowest_rank():
     results = run_distributed(_one_slow_rank, 4, args=(2,))
     for record in results:
-        assert record["slowest_rank"] == 2
-        assert record["step_time"] >= 0.3 and record["step_time_min"] < 0.1
+        assert record["perf/slowest_rank"] == 2
+        assert record["perf/step_time"] >= 0.3 and record["perf/step_time_min"] < 0.1
         assert record == results[0]
 
 
@@ -226,9 +228,9 @@ def _nan_on_one_rank() -> dict:
 def test_a_nan_loss_on_one_rank_is_reported_on_every_rank():
     results = run_distributed(_nan_on_one_rank, layout=Layout(pp=2, dp=2))
     for record in results:
-        assert record["nonfinite_loss_steps"] == 1 and record["nonfinite_grad_norm_steps"] == 1
+        assert record["train/nonfinite_loss_steps"] == 1 and record["train/nonfinite_grad_norm_steps"] == 1
         assert record["loss"] == 2.0, "the NaN is left out: rank 2's 6 / 3"
-        assert math.isfinite(record["loss_ema"])
+        assert math.isfinite(record["train/loss_ema"])
 
 
 def _memory_max_over_ranks() -> dict:

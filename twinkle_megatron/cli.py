@@ -14,8 +14,13 @@ which is skipped with a warning so a live run can be watched. Non-finite values
 (written as ``null``) are kept as NaN: gaps in the charts, counted apart in the
 summary. Values that are not numbers are ignored.
 
+A log written by the tracker never holds a step twice (a restarted run
+supersedes what it repeats). A log that does (several runs appended to one file
+by other means) is read with a warning: steps that go backwards, and values
+logged twice for the same step, of which the later one is used.
+
 Exit status: 0 on success, 2 for a bad command line or log, 1 when plotting
-lacks matplotlib (``pip install 'twinkle-megatron[plot]'``).
+lacks matplotlib.
 """
 
 from __future__ import annotations
@@ -27,15 +32,19 @@ import os
 import sys
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, TextIO
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, TextIO, Tuple
+
+from . import __version__, keys
 
 PROG = "twinkle-megatron"
+MATPLOTLIB_HINT = ("pip install matplotlib (from a checkout of twinkle-megatron: pip install -e '.[plot]')")
 
 # Summary rows in reading order; other keys follow alphabetically, eval/* last.
 KEY_ORDER = (
-    "loss", "loss_ema", "loss_spike", "accuracy", "logprob", "entropy", "grad_norm", "learning_rate",
-    "tokens_per_second", "tokens_per_second_ema", "tokens_per_second_per_gpu", "tflops_per_gpu", "mfu", "mfu_ema",
-    "step_time", "step_time_min", "step_time_ema", "slowest_rank",
+    keys.LOSS, keys.LOSS_EMA, keys.LOSS_SPIKE, "accuracy", "logprob", "entropy", keys.GRAD_NORM,
+    keys.LEARNING_RATE, keys.CONSUMED_TOKENS, keys.TOKENS_PER_SECOND, keys.TOKENS_PER_SECOND_EMA,
+    keys.TOKENS_PER_SECOND_PER_GPU, keys.TFLOPS_PER_GPU, keys.MFU, keys.MFU_EMA, keys.STEP_TIME, keys.STEP_TIME_MIN,
+    keys.STEP_TIME_EMA, keys.SLOWEST_RANK,
 )
 
 
@@ -60,7 +69,7 @@ class RunLog:
         """Every key but ``step``, in :data:`KEY_ORDER`, then alphabetically, ``eval/*`` last."""
         found = {key for record in self.records for key in record if key != "step"}
         rank = {key: index for index, key in enumerate(KEY_ORDER)}
-        return sorted(found, key=lambda key: (key.startswith("eval/"), rank.get(key, len(rank)), key))
+        return sorted(found, key=lambda key: (key.startswith(keys.EVAL_PREFIX), rank.get(key, len(rank)), key))
 
     def series(self, key: str) -> tuple[List[int], List[float]]:
         """``(steps, values)`` of the records that have ``key`` (values may be NaN)."""
@@ -90,6 +99,7 @@ def load_run(path: str) -> RunLog:
     except OSError as error:
         raise RunLogError(f"cannot read {path}: {error.strerror or error}") from None
     log = RunLog(path=path, records=[])
+    numbered: List[Tuple[int, Dict[str, float]]] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -101,11 +111,54 @@ def load_run(path: str) -> RunLog:
                                     "(the run may still be writing it)")
                 continue
             raise RunLogError(f"{path}, line {number}: not valid JSON ({error.msg}, column {error.colno})") from None
-        log.records.append(_record(value, path, number))
-    if not log.records:
+        numbered.append((number, _record(value, path, number)))
+    if not numbered:
         raise RunLogError(f"{path} is empty: it holds no records")
+    log.warnings += _timeline_warnings(path, numbered)
+    log.records = _later_values_win(numbered)
     log.records.sort(key=lambda record: record["step"])  # stable: file order among equal steps
     return log
+
+
+def _timeline_warnings(path: str, numbered: List[Tuple[int, Dict[str, float]]]) -> List[str]:
+    """Steps that go backwards and values logged twice at one step: the log holds more than one timeline."""
+    backwards: List[str] = []
+    repeated: List[str] = []
+    seen: Dict[Tuple[int, str], int] = {}
+    previous: Optional[Tuple[int, int]] = None  # (line, step)
+    for number, record in numbered:
+        step = int(record["step"])
+        if previous is not None and step < previous[1]:
+            backwards.append(f"line {number}: step {step} after step {previous[1]} (line {previous[0]})")
+        previous = (number, step)
+        for key in record:
+            if key == "step":
+                continue
+            if (step, key) in seen:
+                repeated.append(f"{key!r} at step {step} (lines {seen[(step, key)]} and {number})")
+            seen[(step, key)] = number
+    found = []
+    if backwards:
+        found.append(f"{path}: steps go backwards {len(backwards)} time(s), first at {backwards[0]}: the log holds "
+                     "runs that were not resumed into it")
+    if repeated:
+        found.append(f"{path}: {len(repeated)} value(s) logged twice for the same step, first {repeated[0]}; "
+                     "the later value is used")
+    return found
+
+
+def _later_values_win(numbered: List[Tuple[int, Dict[str, float]]]) -> List[Dict[str, float]]:
+    """The records, each (step, key) kept only in the last record that has it; records left empty are dropped."""
+    claimed: set = set()
+    kept: List[Dict[str, float]] = []
+    for _, record in reversed(numbered):
+        step = int(record["step"])
+        values = {key: value for key, value in record.items() if key != "step" and (step, key) not in claimed}
+        claimed.update((step, key) for key in values)
+        if values or len(record) == 1:
+            kept.append({"step": step, **values})
+    kept.reverse()
+    return kept
 
 
 def _record(value: Any, path: str, number: int) -> Dict[str, float]:
@@ -138,7 +191,7 @@ def _record(value: Any, path: str, number: int) -> Dict[str, float]:
 def format_summary(log: RunLog) -> str:
     """A fixed-width table: one row per key with the count, first, last, min, max and mean of its finite values."""
     steps = [record["step"] for record in log.records]
-    evals = sum(1 for record in log.records if any(key.startswith("eval/") for key in record))
+    evals = sum(1 for record in log.records if any(key.startswith(keys.EVAL_PREFIX) for key in record))
     lines = [f"run: {log.path}",
              f"records: {len(log.records)} (steps {steps[0]}..{steps[-1]}"
              + (f"; {evals} with eval/* keys" if evals else "") + ")", ""]
@@ -183,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Charts and summaries of a twinkle-megatron run from its JSONL log "
                                "(LOG_DIR/RUN_NAME/metrics.jsonl).")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plot = commands.add_parser(
         "plot", help="write PNG charts of a run",
@@ -193,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", metavar="DIR", default=None,
                       help="where the PNGs go (default: a 'plots' directory next to the log)")
     plot.add_argument("--keys", nargs="+", metavar="KEY", default=(),
-                      help="more keys to chart, one panel each (e.g. metrics of your own collection)")
+                      help="more keys to chart, one panel each, e.g. metrics of your own collection "
+                           "(default: none)")
     summary = commands.add_parser(
         "summary", help="print a table of a run's metrics",
         description="Print the number of records, the step range, and the count, first, last, min, max "
@@ -227,7 +282,7 @@ def _plot(log: RunLog, args: argparse.Namespace) -> int:
     try:
         written, skipped = plot_run(log, output, extra_keys=args.keys)
     except MissingMatplotlib:
-        _fail("plotting needs matplotlib, which is not installed: pip install 'twinkle-megatron[plot]'", 1)
+        _fail(f"plotting needs matplotlib, which is not installed: {MATPLOTLIB_HINT}", 1)
     except OSError as error:
         _fail(f"cannot write the charts to {output}: {error.strerror or error}", 2)
     if not written:

@@ -5,7 +5,7 @@ function draws the panel's own PNG and its cell in ``overview.png``. A panel
 is drawn only when the log has at least one of its keys (no GPU: no memory
 panel; no peak FLOP/s known: throughput without MFU).
 
-matplotlib is an optional extra (``pip install 'twinkle-megatron[plot]'``) and
+matplotlib is an optional extra (``pip install matplotlib``, or the ``plot`` extra) and
 is imported only here, when a chart is drawn. Figures are built with
 ``matplotlib.figure.Figure`` rather than ``pyplot``: that renders PNGs with the
 Agg backend directly, needs no display, and leaves the caller's pyplot state
@@ -19,6 +19,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
+
+from . import keys
 
 if TYPE_CHECKING:
     from .cli import RunLog
@@ -88,11 +90,11 @@ def _twin(axes: Any, ylabel: str, color: str) -> Any:
 
 
 def _draw_loss(axes: Any, log: RunLog) -> None:
-    handles = [_line(axes, log, "loss", "loss", color="C0", alpha=0.45, linewidth=1),
-               _line(axes, log, "loss_ema", "loss (EMA)", color="C0", linewidth=2.2),
+    handles = [_line(axes, log, keys.LOSS, "loss", color="C0", alpha=0.45, linewidth=1),
+               _line(axes, log, keys.LOSS_EMA, "loss (EMA)", color="C0", linewidth=2.2),
                _line(axes, log, "eval/loss", "eval loss", color="C3", linewidth=1.5)]
-    steps, spikes = log.series("loss_spike")
-    losses = dict(zip(*log.series("loss")))
+    steps, spikes = log.series(keys.LOSS_SPIKE)
+    losses = dict(zip(*log.series(keys.LOSS)))
     spiked = [step for step, spike in zip(steps, spikes) if spike == 1 and step in losses]
     if spiked:  # where the loss jumped above its EMA by more than the tracker's threshold
         handles.append(axes.scatter(spiked, [losses[step] for step in spiked], marker="x", color="C3", s=40,
@@ -114,29 +116,29 @@ def _draw_token_stats(axes: Any, log: RunLog) -> None:
 
 
 def _draw_throughput(axes: Any, log: RunLog) -> None:
-    handles = [_line(axes, log, "tokens_per_second", "tokens/s", color="C0", alpha=0.45, linewidth=1),
-               _line(axes, log, "tokens_per_second_ema", "tokens/s (EMA)", color="C0", linewidth=2.2)]
-    _second_scale(axes, log, "tokens_per_second", "tokens_per_second_per_gpu", "tokens/s per GPU")
+    handles = [_line(axes, log, keys.TOKENS_PER_SECOND, "tokens/s", color="C0", alpha=0.45, linewidth=1),
+               _line(axes, log, keys.TOKENS_PER_SECOND_EMA, "tokens/s (EMA)", color="C0", linewidth=2.2)]
+    _second_scale(axes, log, keys.TOKENS_PER_SECOND, keys.TOKENS_PER_SECOND_PER_GPU, "tokens/s per GPU")
     axes.set_ylim(bottom=0)
     _finish(axes, handles, "tokens/s (all GPUs)")
 
 
 def _draw_mfu(axes: Any, log: RunLog) -> None:
     """MFU needs a known peak FLOP/s (GPUs); without it the achieved TFLOP/s are charted alone."""
-    if "mfu" in log.keys or "mfu_ema" in log.keys:
-        handles = [_line(axes, log, "mfu", "MFU", color="C3", alpha=0.45, linewidth=1),
-                   _line(axes, log, "mfu_ema", "MFU (EMA)", color="C3", linewidth=2.2)]
-        _second_scale(axes, log, "mfu", "tflops_per_gpu", "TFLOP/s per GPU")
+    if keys.MFU in log.keys or keys.MFU_EMA in log.keys:
+        handles = [_line(axes, log, keys.MFU, "MFU", color="C3", alpha=0.45, linewidth=1),
+                   _line(axes, log, keys.MFU_EMA, "MFU (EMA)", color="C3", linewidth=2.2)]
+        _second_scale(axes, log, keys.MFU, keys.TFLOPS_PER_GPU, "TFLOP/s per GPU")
         axes.set_ylim(bottom=0)
         _finish(axes, handles, "model FLOPs utilization", percent=True)
     else:
-        handles = [_line(axes, log, "tflops_per_gpu", "TFLOP/s per GPU", color="C3", linewidth=1.5)]
+        handles = [_line(axes, log, keys.TFLOPS_PER_GPU, "TFLOP/s per GPU", color="C3", linewidth=1.5)]
         axes.set_ylim(bottom=0)
         _finish(axes, handles, "TFLOP/s per GPU")
 
 
 def _mfu_title(log: RunLog) -> str:
-    return "Model FLOPs utilization" if "mfu" in log.keys else "TFLOP/s per GPU (no known peak, so no MFU)"
+    return "Model FLOPs utilization" if keys.MFU in log.keys else "TFLOP/s per GPU (no known peak, so no MFU)"
 
 
 def _second_scale(axes: Any, log: RunLog, key: str, other: str, label: str) -> None:
@@ -158,27 +160,27 @@ def _second_scale(axes: Any, log: RunLog, key: str, other: str, label: str) -> N
 
 
 def _draw_memory(axes: Any, log: RunLog) -> None:
-    handles = [_line(axes, log, "memory/allocated_gib", "allocated", color="C0", linewidth=1.8),
-               _line(axes, log, "memory/peak_allocated_gib", "peak allocated", color="C0", linestyle="--"),
-               _line(axes, log, "memory/reserved_gib", "reserved", color="C1", linewidth=1.8),
-               _line(axes, log, "memory/peak_reserved_gib", "peak reserved", color="C1", linestyle="--"),
-               _line(axes, log, "memory/total_gib", "device capacity", color="black", linestyle=":")]
+    handles = [_line(axes, log, keys.MEMORY_ALLOCATED, "allocated", color="C0", linewidth=1.8),
+               _line(axes, log, keys.MEMORY_PEAK_ALLOCATED, "peak allocated", color="C0", linestyle="--"),
+               _line(axes, log, keys.MEMORY_RESERVED, "reserved", color="C1", linewidth=1.8),
+               _line(axes, log, keys.MEMORY_PEAK_RESERVED, "peak reserved", color="C1", linestyle="--"),
+               _line(axes, log, keys.MEMORY_TOTAL, "device capacity", color="black", linestyle=":")]
     _finish(axes, handles, "GiB (max over ranks)")
 
 
 def _draw_step_time(axes: Any, log: RunLog) -> None:
     """The band spans the fastest to the slowest rank: a wide band means a straggler holds everyone up."""
     handles: List[Optional[Any]] = []
-    steps, slowest = log.series("step_time")
-    fastest = dict(zip(*log.series("step_time_min")))
+    steps, slowest = log.series(keys.STEP_TIME)
+    fastest = dict(zip(*log.series(keys.STEP_TIME_MIN)))
     banded = [(step, fastest[step], value) for step, value in zip(steps, slowest) if step in fastest]
     if banded:
         handles.append(axes.fill_between([s for s, _, _ in banded], [low for _, low, _ in banded],
                                          [high for _, _, high in banded], color="C0", alpha=0.2, linewidth=0,
                                          label="fastest..slowest rank"))
-    handles += [_line(axes, log, "step_time", "step time (slowest rank)", color="C0", linewidth=1.2),
-                _line(axes, log, "step_time_ema", "step time (EMA)", color="navy", linewidth=2, alpha=0.8)]
-    rank_steps, ranks = log.series("slowest_rank")
+    handles += [_line(axes, log, keys.STEP_TIME, "step time (slowest rank)", color="C0", linewidth=1.2),
+                _line(axes, log, keys.STEP_TIME_EMA, "step time (EMA)", color="navy", linewidth=2, alpha=0.8)]
+    rank_steps, ranks = log.series(keys.SLOWEST_RANK)
     top_rank = max([r for r in ranks if math.isfinite(r)], default=0)
     if top_rank > 0:  # always rank 0 (one process, say): nothing to point at
         from matplotlib.ticker import MaxNLocator
@@ -194,24 +196,24 @@ def _draw_step_time(axes: Any, log: RunLog) -> None:
 def _draw_optimizer(axes: Any, log: RunLog) -> None:
     from matplotlib.ticker import FormatStrFormatter
 
-    handles = [_line(axes, log, "grad_norm", "gradient norm", color="C0", linewidth=1.5)]
-    if "learning_rate" in log.keys:
+    handles = [_line(axes, log, keys.GRAD_NORM, "gradient norm", color="C0", linewidth=1.5)]
+    if keys.LEARNING_RATE in log.keys:
         right = _twin(axes, "learning rate", "C1")
-        handles.append(_line(right, log, "learning_rate", "learning rate", color="C1", linewidth=1.5))
+        handles.append(_line(right, log, keys.LEARNING_RATE, "learning rate", color="C1", linewidth=1.5))
         right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # no "1e-4" offset text over the legend
     _finish(axes, handles, "gradient norm")
 
 
 PANELS: Tuple[Panel, ...] = (
-    Panel("loss", "Loss", ("loss", "loss_ema", "eval/loss"), _draw_loss),
+    Panel("loss", "Loss", (keys.LOSS, keys.LOSS_EMA, "eval/loss"), _draw_loss),
     Panel("accuracy", "Token accuracy", ("accuracy", "eval/accuracy"), _draw_accuracy),
     Panel("token_stats", "Entropy and label log-probability", ("entropy", "logprob"), _draw_token_stats),
-    Panel("throughput", "Throughput", ("tokens_per_second", "tokens_per_second_ema"), _draw_throughput),
-    Panel("mfu", _mfu_title, ("mfu", "mfu_ema", "tflops_per_gpu"), _draw_mfu),
-    Panel("memory", "Device memory", ("memory/allocated_gib", "memory/peak_allocated_gib", "memory/reserved_gib",
-                                      "memory/peak_reserved_gib"), _draw_memory),
-    Panel("step_time", "Step time and stragglers", ("step_time", "step_time_ema"), _draw_step_time),
-    Panel("optimizer", "Gradient norm and learning rate", ("grad_norm", "learning_rate"), _draw_optimizer),
+    Panel("throughput", "Throughput", (keys.TOKENS_PER_SECOND, keys.TOKENS_PER_SECOND_EMA), _draw_throughput),
+    Panel("mfu", _mfu_title, (keys.MFU, keys.MFU_EMA, keys.TFLOPS_PER_GPU), _draw_mfu),
+    Panel("memory", "Device memory", (keys.MEMORY_ALLOCATED, keys.MEMORY_PEAK_ALLOCATED, keys.MEMORY_RESERVED,
+                                      keys.MEMORY_PEAK_RESERVED), _draw_memory),
+    Panel("step_time", "Step time and stragglers", (keys.STEP_TIME, keys.STEP_TIME_EMA), _draw_step_time),
+    Panel("optimizer", "Gradient norm and learning rate", (keys.GRAD_NORM, keys.LEARNING_RATE), _draw_optimizer),
 )
 
 

@@ -14,6 +14,9 @@ number of GPUs, and replaces itself with::
 * PORT is ``$MASTER_PORT`` if set, else derived from the job id: every node
   computes the same port without talking to the others, and two jobs sharing a
   node rarely collide.
+* torchrun ignores SIGUSR1 (the launcher ignores it before the exec): Slurm sends
+  the time-limit warning to every process of the step, and only the training
+  processes should act on it (checkpoint and stop).
 * ``--resume`` is added when Slurm restarted the job (``SLURM_RESTART_COUNT`` > 0:
   a requeue after preemption or the time limit) or when asked for. The run name
   defaults to ``JOBNAME-JOBID``; a requeued job keeps its id, hence its run
@@ -38,6 +41,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import zlib
@@ -297,6 +301,11 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
         print(shlex.join(command), flush=True)
         return 0
     try:
+        # Slurm signals every process of the job step. torchrun passes TERM on to its workers
+        # and stops them, but USR1 would kill torchrun itself: it ignores USR1 from here on
+        # (ignored signals stay ignored across exec), and the training processes, which set
+        # their own USR1 handler, checkpoint and exit.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         # exec, not a child: Slurm's signals (preemption, time limit) then reach torchrun directly.
         os.execvp(command[0], command)
     except OSError as error:

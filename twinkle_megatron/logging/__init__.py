@@ -1,7 +1,10 @@
 """Where tracker records go: stdout, JSONL, TensorBoard, W&B, SwanLab, MLflow.
 
 Each backend imports its library lazily (when first written to), only one
-rank writes, and a backend that fails warns once and is disabled.
+rank writes, and a backend that fails warns once and is disabled. A run that
+starts at step *s* makes every backend drop or supersede the points it holds
+at steps ≥ *s* (see :class:`RunStart`), so a restarted job never shows a step
+twice; each backend's module says how.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Union
 
-from .base import Backend, numeric_record
+from .base import Backend, RunStart, numeric_record
 from .jsonl import JsonlBackend, read_jsonl
 from .manager import MetricsLogger
 from .mlflow import MlflowBackend
@@ -25,7 +28,8 @@ def build_backend(spec: Union[str, Backend], log_dir: str = "logs", **options: A
     """A backend from its name (files go under ``log_dir``), or ``spec`` itself if it is one.
 
     ``jsonl`` writes ``log_dir/metrics.jsonl``, ``tensorboard`` writes under
-    ``log_dir/tensorboard``; ``options`` go to the backend's constructor.
+    ``log_dir/tensorboard``, ``wandb`` under ``log_dir/wandb``, ``swanlab``'s
+    local store under ``log_dir/swanlog``; ``options`` go to the backend's constructor.
     """
     if isinstance(spec, Backend):
         return spec
@@ -38,11 +42,12 @@ def build_backend(spec: Union[str, Backend], log_dir: str = "logs", **options: A
     if spec == "wandb":
         return WandbBackend(**{"directory": log_dir, **options})
     if spec == "swanlab":
-        return SwanLabBackend(**options)
+        return SwanLabBackend(**{"log_dir": os.path.join(log_dir, "swanlog"), **options})
     if spec == "mlflow":
         return MlflowBackend(**options)
     raise ValueError(f"unknown logging backend {spec!r}; expected one of {BACKENDS} or a Backend")
 
 
-__all__ = ["Backend", "MetricsLogger", "StdoutBackend", "JsonlBackend", "TensorBoardBackend", "WandbBackend",
-           "SwanLabBackend", "MlflowBackend", "build_backend", "numeric_record", "read_jsonl", "BACKENDS"]
+__all__ = ["Backend", "RunStart", "MetricsLogger", "StdoutBackend", "JsonlBackend", "TensorBoardBackend",
+           "WandbBackend", "SwanLabBackend", "MlflowBackend", "build_backend", "numeric_record", "read_jsonl",
+           "BACKENDS"]

@@ -1,10 +1,47 @@
-"""What every logging backend is: open once, write records, close."""
+"""What every logging backend is: open once for a run, write records, close."""
 
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What a backend needs to know when it opens.
+
+    Attributes:
+        first_step: the first step this run logs. Points a backend already holds
+            at this step or later belong to a timeline that did not continue (the
+            job was restarted at ``first_step``, from a checkpoint or from
+            scratch): each backend drops or supersedes them, so every step is
+            shown once, with the values of the run that continued.
+        config: the run's configuration (nested mapping of plain values), logged once.
+        log_dir: the run's directory (where backends that have run ids remember them).
+    """
+
+    first_step: int = 1
+    config: Mapping[str, Any] = field(default_factory=dict)
+    log_dir: Optional[str] = None
+
+    @property
+    def requeued(self) -> bool:
+        """A Slurm job started again after a preemption or failure (``SLURM_RESTART_COUNT`` > 0)."""
+        try:
+            return int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+        except ValueError:
+            return False
+
+    @property
+    def continues(self) -> bool:
+        """This run continues an earlier one: it starts after step 1 (a resume), or is a requeued job.
+
+        Backends with run ids reopen the earlier run then; otherwise they start a new run.
+        """
+        return self.first_step > 1 or self.requeued
 
 
 class Backend:
@@ -13,25 +50,31 @@ class Backend:
     The manager (:class:`~twinkle_megatron.logging.MetricsLogger`) calls
     :meth:`open` once, on the writing rank only, right before the first
     :meth:`write`; a backend's library is imported there, never at module import,
-    so an uninstalled library costs nothing until it is asked for. ``resume_step``
-    is the step a resumed run continues after (``None`` for a fresh run): records
-    of later steps belong to the abandoned timeline and must not be duplicated.
+    so an uninstalled library costs nothing until it is asked for.
 
     ``write`` gets numbers only (see :func:`numeric_record`). Any exception
     raised by ``open``, ``write`` or ``close`` disables the backend with one
-    warning; training goes on.
+    warning (after :meth:`abort`, which releases what ``open`` acquired);
+    training goes on.
     """
 
     name = "backend"
 
-    def open(self, resume_step: Optional[int]) -> None:
-        """Prepare to write (import the library, open files or runs)."""
+    def open(self, run: RunStart) -> None:
+        """Prepare to write (import the library, open files or runs); drop points at ``run.first_step`` or later."""
 
     def write(self, record: Mapping[str, float], step: int) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
         """Flush and release what ``open`` acquired."""
+
+    def abort(self) -> None:
+        """Release what ``open`` acquired after a failure (default: :meth:`close`); must not raise."""
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - already failing; the first error is the one reported
+            pass
 
 
 def numeric_record(record: Mapping[str, Any]) -> dict[str, float]:
@@ -47,3 +90,15 @@ def numeric_record(record: Mapping[str, Any]) -> dict[str, float]:
 
 def finite_or_none(value: float) -> Optional[float]:
     return value if math.isfinite(value) else None
+
+
+def flatten_config(config: Mapping[str, Any], separator: str = ".") -> dict[str, Any]:
+    """``{"parallel": {"tp": 2}}`` → ``{"parallel.tp": 2}``: for stores with flat keys (MLflow, TensorBoard)."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            for inner, item in flatten_config(value, separator).items():
+                flat[f"{key}{separator}{inner}"] = item
+        else:
+            flat[str(key)] = value
+    return flat

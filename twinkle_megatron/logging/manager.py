@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch.distributed as dist
 
-from .base import Backend, numeric_record
+from .base import Backend, RunStart, numeric_record
 
 
 class MetricsLogger:
@@ -18,16 +18,22 @@ class MetricsLogger:
         writer_rank: the global rank that writes (default 0). Every rank gets the
             same results from ``calculate()``, so any rank can; Megatron-LM logs
             from the last rank, which works as well.
+        log_dir: the run's directory (backends with run ids remember them there).
 
-    A backend whose ``open`` (an import, a file, a login) or ``write`` raises
-    is disabled with one ``RuntimeWarning`` and the others carry on: training
-    never stops for logging.
+    Backends are opened at the first record, with the run's first step (see
+    :meth:`start`): each drops or supersedes the points it already holds at that
+    step or later, so a restarted run never shows a step twice. A backend whose
+    ``open`` (an import, a file, a login) or ``write`` raises is disabled with
+    one ``RuntimeWarning`` and the others carry on: training never stops for
+    logging.
     """
 
-    def __init__(self, backends: Iterable[Backend] = (), writer_rank: int = 0) -> None:
+    def __init__(self, backends: Iterable[Backend] = (), writer_rank: int = 0, log_dir: Optional[str] = None) -> None:
         self.backends: list[Backend] = list(backends)
         self.writer_rank = writer_rank
-        self.resume_step: Optional[int] = None
+        self.log_dir = log_dir
+        self.first_step: Optional[int] = None
+        self.config: dict[str, Any] = {}
         self._opened: list[Backend] = []
         self._disabled: set[int] = set()  # ids: backends need not be hashable
 
@@ -37,26 +43,36 @@ class MetricsLogger:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return rank == self.writer_rank
 
-    def resume(self, step: int) -> None:
-        """A resumed run continues after ``step``; call before the first record is written."""
+    def start(self, first_step: int, config: Optional[Mapping[str, Any]] = None) -> None:
+        """This run's first step (and configuration): call before the first record.
+
+        Points the backends hold at ``first_step`` or later are dropped or
+        superseded when they open. Without a call, the first step logged is the
+        run's first step.
+        """
         if self._opened:
-            warnings.warn("MetricsLogger.resume() after backends were opened: they keep records beyond "
-                          f"step {step}; load the tracker state before the first log step", RuntimeWarning,
-                          stacklevel=2)
-        self.resume_step = int(step)
+            warnings.warn(f"MetricsLogger.start({first_step}) after backends were opened: they keep the points "
+                          "they held; start the run (or load the tracker state) before the first log step",
+                          RuntimeWarning, stacklevel=2)
+            return
+        self.first_step = int(first_step)
+        if config is not None:
+            self.config = dict(config)
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
         """Write ``record`` (numbers only) at ``step`` to every enabled backend."""
         if not self.is_writer:
             return
         numbers = numeric_record(record)
+        if self.first_step is None:
+            self.first_step = int(step)
         for backend in self.backends:
             if id(backend) in self._disabled:
                 continue
             try:
                 if not any(backend is opened for opened in self._opened):
                     self._opened.append(backend)
-                    backend.open(self.resume_step)
+                    backend.open(RunStart(first_step=self.first_step, config=self.config, log_dir=self.log_dir))
                 backend.write(numbers, step)
             except Exception as error:  # noqa: BLE001 - a logging failure must never stop training
                 self._disable(backend, error)
@@ -73,5 +89,6 @@ class MetricsLogger:
 
     def _disable(self, backend: Backend, error: Exception) -> None:
         self._disabled.add(id(backend))
+        backend.abort()  # e.g. end the run it opened, so the user's next run can start
         warnings.warn(f"logging backend {backend.name!r} failed and is disabled, training continues: "
                       f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)

@@ -5,31 +5,33 @@ from __future__ import annotations
 import sys
 from typing import Callable, Mapping, Optional, TextIO
 
+from .. import keys
 from .base import Backend
 
 # (key, label, format): the tracker's keys in reading order; other numeric keys follow as "key value".
 _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
-    ("loss", "loss", lambda v: f"{v:.4f}"),
-    ("loss_ema", "loss_ema", lambda v: f"{v:.4f}"),
-    ("grad_norm", "grad_norm", lambda v: f"{v:.3f}"),
-    ("learning_rate", "lr", lambda v: f"{v:.2e}"),
+    (keys.LOSS, "loss", lambda v: f"{v:.4f}"),
+    (keys.LOSS_EMA, "loss_ema", lambda v: f"{v:.4f}"),
+    (keys.GRAD_NORM, "grad_norm", lambda v: f"{v:.3f}"),
+    (keys.LEARNING_RATE, "lr", lambda v: f"{v:.2e}"),
     ("accuracy", "accuracy", lambda v: f"{v:.4f}"),
     ("logprob", "logprob", lambda v: f"{v:.4f}"),
     ("entropy", "entropy", lambda v: f"{v:.4f}"),
-    ("tokens_per_second", "tokens/s", lambda v: f"{v:,.0f}"),
-    ("tokens_per_second_per_gpu", "tokens/s/gpu", lambda v: f"{v:,.0f}"),
-    ("tflops_per_gpu", "TFLOP/s/gpu", lambda v: f"{v:.1f}"),
-    ("mfu", "mfu", lambda v: f"{v:.1%}"),
-    ("step_time", "step_time", lambda v: f"{v:.3f}s"),
-    ("step_time_min", "min", lambda v: f"{v:.3f}s"),
-    ("slowest_rank", "slowest_rank", lambda v: f"{int(v)}"),
-    ("memory/peak_reserved_gib", "peak_mem", lambda v: f"{v:.1f}GiB"),
-    ("memory/utilization", "mem_util", lambda v: f"{v:.0%}"),
+    (keys.TOKENS_PER_SECOND, "tokens/s", lambda v: f"{v:,.0f}"),
+    (keys.TOKENS_PER_SECOND_PER_GPU, "tokens/s/gpu", lambda v: f"{v:,.0f}"),
+    (keys.TFLOPS_PER_GPU, "TFLOP/s/gpu", lambda v: f"{v:.1f}"),
+    (keys.MFU, "mfu", lambda v: f"{v:.1%}"),
+    (keys.STEP_TIME, "step_time", lambda v: f"{v:.3f}s"),
+    (keys.STEP_TIME_MIN, "min", lambda v: f"{v:.3f}s"),
+    (keys.SLOWEST_RANK, "slowest_rank", lambda v: f"{int(v)}"),
+    (keys.MEMORY_PEAK_RESERVED, "peak_mem", lambda v: f"{v:.1f}GiB"),
+    (keys.MEMORY_UTILIZATION, "mem_util", lambda v: f"{v:.0%}"),
 )
 # Shown above, or only of interest in charts.
-_SHOWN = {key for key, _, _ in _LINE} | {"tokens", "tokens_total", "steps", "tokens_per_second_ema", "mfu_ema",
-                                        "step_time_ema", "correct_tokens", "total_tokens"}
-_ALARMS = ("nonfinite_loss_steps", "nonfinite_grad_norm_steps", "loss_spike", "memory/ooms", "memory/alloc_retries")
+_SHOWN = {key for key, _, _ in _LINE} | {keys.CONSUMED_TOKENS, keys.TOKENS_PER_SECOND_EMA, keys.MFU_EMA,
+                                        keys.STEP_TIME_EMA, "correct_tokens", "total_tokens"}
+_ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_GRAD_NORM_STEPS, keys.LOSS_SPIKE, keys.MEMORY_OOMS,
+           keys.MEMORY_ALLOC_RETRIES)
 
 
 class StdoutBackend(Backend):
@@ -51,10 +53,15 @@ class StdoutBackend(Backend):
         parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
         if self.all_keys:
             parts += [f"{key} {_plain(value)}" for key, value in record.items()
-                      if key not in _SHOWN and key not in _ALARMS and not key.startswith("memory/")]
-        parts += [f"{key.upper()} {_plain(record[key])}" for key in _ALARMS if record.get(key)]
+                      if key not in _SHOWN and key not in _ALARMS and not key.startswith(keys.MEMORY_PREFIX)]
+        parts += [f"{_alarm(key)} {_plain(record[key])}" for key in _ALARMS if record.get(key)]
         print(" | ".join(parts), file=self.stream or sys.stdout, flush=True)
 
 
 def _plain(value: float) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _alarm(key: str) -> str:
+    """``train/loss_spike`` → ``LOSS_SPIKE``: the quantity, in capitals so it stands out."""
+    return key.rsplit("/", 1)[-1].upper()

@@ -1,51 +1,90 @@
-"""Weights & Biases: one run, resumed under the same id after a restart."""
+"""Weights & Biases: one run per training, rewound to the restart step when a job continues.
+
+Which run:
+
+* a run the user already started (``wandb.run``) is logged into, with the run
+  configuration added to its config; the tracker never finishes it;
+* a run that continues (it starts after step 1, or ``SLURM_RESTART_COUNT`` > 0)
+  reopens the run it continues: ``run_id``, else ``$WANDB_RUN_ID``, else the id
+  recorded in ``LOG_DIR/run_ids.json`` by the run before it. The run is
+  *rewound* to the step before the restart (W&B's ``resume_from="ID?_step=N"``;
+  recorded in the run file offline and applied by the server when synced): the
+  points of the abandoned steps are archived by W&B and the resumed run logs
+  those steps again, once. With ``rewind=False`` (a server without run rewind)
+  it is resumed with ``resume="must"`` instead, and W&B keeps the abandoned
+  points and drops the repeated steps;
+* otherwise a new run: W&B's own fresh id, or ``run_id`` / ``$WANDB_RUN_ID``
+  when given (``resume="allow"``). Two trainings in one allocation are two runs.
+
+The run's configuration (layout, model shape, batch, FLOPs, versions, and the
+user's ``config``) goes to the run's config once.
+"""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping, Optional
 
-from .base import Backend
+from .base import Backend, RunStart
+from .run_ids import recall_run_id, remember_run_id
 
 
 class WandbBackend(Backend):
-    """Logs to a W&B run.
-
-    The run id is ``run_id``, else ``$WANDB_RUN_ID`` (W&B's own convention, to
-    continue a run in a new job), else ``$SLURM_JOB_ID`` (a requeued Slurm job
-    keeps its id), else W&B's own; ``resume="allow"`` continues that run when it
-    exists. W&B only accepts increasing steps, so points of steps the resumed
-    run repeats are dropped by W&B (with its warning) unless ``init_kwargs``
-    asks for W&B's ``resume_from`` rewind.
-    """
+    """Logs to a W&B run (see the module docstring for which one)."""
 
     name = "wandb"
 
     def __init__(self, project: Optional[str] = None, name: Optional[str] = None, run_id: Optional[str] = None,
-                 config: Optional[Mapping[str, Any]] = None, directory: Optional[str] = None,
+                 config: Optional[Mapping[str, Any]] = None, directory: Optional[str] = None, rewind: bool = True,
                  **init_kwargs: Any) -> None:
         self.project = project or os.environ.get("WANDB_PROJECT", "twinkle-megatron")
         self.run_name = name
         self.run_id = run_id
-        self.config = dict(config) if config is not None else None
+        self.config = dict(config) if config is not None else {}
         self.directory = directory
+        self.rewind = rewind
         self.init_kwargs = init_kwargs
-        self._wandb: Any = None
         self._run: Any = None
+        self._owned = False
 
-    def open(self, resume_step: Optional[int]) -> None:
+    def open(self, run: RunStart) -> None:
         import wandb
 
-        self._wandb = wandb
-        run_id = self.run_id or os.environ.get("WANDB_RUN_ID") or os.environ.get("SLURM_JOB_ID")
-        options = {"project": self.project, "name": self.run_name, "config": self.config, "dir": self.directory,
-                   "id": run_id, "resume": "allow", **self.init_kwargs}
+        config = {**run.config, **self.config}
+        if wandb.run is not None:  # the user's run: log into it, never finish it
+            self._run, self._owned = wandb.run, False
+            self._run.config.update(config, allow_val_change=True)
+            return
+        explicit = self.run_id or os.environ.get("WANDB_RUN_ID")
+        run_id = explicit or (recall_run_id(run.log_dir, self.name) if run.continues else None)
+        options: dict[str, Any] = {"project": self.project, "name": self.run_name, "config": config,
+                                   "dir": self.directory}
+        if run_id is not None and run.continues:
+            if self.rewind:
+                options["resume_from"] = f"{run_id}?_step={max(run.first_step - 1, 0)}"
+            else:
+                options.update(id=run_id, resume="must")
+        elif run_id is not None:
+            options.update(id=run_id, resume="allow")
+        options.update(self.init_kwargs)
+        if options.get("dir"):
+            os.makedirs(options["dir"], exist_ok=True)
         self._run = wandb.init(**{key: value for key, value in options.items() if value is not None})
+        self._owned = True
+        remember_run_id(run.log_dir, self.name, self._run.id)
 
     def write(self, record: Mapping[str, float], step: int) -> None:
         self._run.log(dict(record), step=step)
 
     def close(self) -> None:
-        if self._run is not None:
+        if self._run is not None and self._owned:
             self._run.finish()
-            self._run = None
+        self._run = None
+
+    def abort(self) -> None:
+        if self._run is not None and self._owned:
+            try:
+                self._run.finish(exit_code=1)
+            except Exception:  # noqa: BLE001 - already failing
+                pass
+        self._run = None

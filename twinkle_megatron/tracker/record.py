@@ -2,7 +2,7 @@
 
 A pure function of globally reduced values, so every rank computes the same
 record. Keys appear only when their inputs exist (no loss given: no ``loss``;
-no FLOPs or no known peak: no ``mfu``; no GPU: no ``memory/*``); values are
+no FLOPs or no known peak: no ``perf/mfu``; no GPU: no ``memory/*``); values are
 Python numbers.
 """
 
@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .. import keys
 from .flops import FlopsCoefficients
 from .step_states import MEMORY_FIELDS
 
@@ -33,66 +34,79 @@ class ThroughputSetup:
 def interval_record(data: Mapping[str, Any], ranks: Mapping[str, Any], setup: ThroughputSetup) -> dict[str, float]:
     """The interval's record (before smoothing) from :class:`StepDataStates` and :class:`RankStates`.
 
-    Formulas (Σ over the steps of the interval; "ranks" are those of the reduction group):
+    Formulas (Σ over the steps of the interval; "ranks" are those of the reduction group;
+    key names from :mod:`twinkle_megatron.keys`):
 
     * ``loss`` = Σ loss sums / Σ loss token counts (Megatron's ``[sum, count]``
       reports, summed over DP×CP), or the mean of the losses passed as means;
-      non-finite losses are left out and counted in ``nonfinite_loss_steps``.
-    * ``nonfinite_loss_steps``, ``nonfinite_grad_norm_steps``: max over ranks of
-      the steps in which a rank was given a non-finite value.
-    * ``grad_norm``, ``num_zeros_in_grad``, ``learning_rate``: latest value, max over ranks.
-    * ``tokens``: real tokens, summed over steps and DP×CP ranks.
-    * ``step_time``: max over ranks of (a rank's seconds in the interval / steps):
-      a synchronous step is as slow as its slowest rank. ``step_time_min``: the min;
-      ``slowest_rank``: the rank with the max (lowest rank on ties).
-    * ``tokens_per_second`` = tokens / (step_time · steps);
-      ``tokens_per_second_per_gpu`` = tokens_per_second / world size.
-    * ``tflops_per_gpu`` = FLOPs / (step_time · steps) / world size / 1e12, where
+      non-finite losses are left out and counted in ``train/nonfinite_loss_steps``.
+    * ``train/nonfinite_loss_steps``, ``train/nonfinite_grad_norm_steps``: max over
+      ranks of the steps in which a rank was given a non-finite value.
+    * ``grad_norm``, ``train/num_zeros_in_grad``, ``learning rate``: latest value, max over ranks.
+    * ``perf/step_time``: max over ranks of (a rank's seconds in the interval / steps):
+      a synchronous step is as slow as its slowest rank. ``perf/step_time_min``: the min;
+      ``perf/slowest_rank``: the rank with the max (lowest rank on ties).
+    * ``perf/tokens_per_second`` = real tokens (summed over steps and DP×CP ranks) /
+      (step_time · steps); ``perf/tokens_per_second_per_gpu`` = that / world size.
+    * ``perf/tflops_per_gpu`` = FLOPs / (step_time · steps) / world size / 1e12, where
       FLOPs = c₁·Σ sᵢ + c₂·Σ sᵢ² of the packed sequences passed, or
-      steps · flops_per_step; ``mfu`` = tflops_per_gpu / peak TFLOP/s per GPU.
+      steps · flops_per_step; ``perf/mfu`` = tflops_per_gpu / peak TFLOP/s per GPU.
     * ``memory/*``: max over ranks (GiB; ``utilization`` = peak reserved / capacity;
       ``alloc_retries`` and ``ooms`` since the process started).
+
+    The interval's step and token counts themselves are :func:`interval_steps`
+    and :func:`interval_tokens` (the tracker logs the running token total).
     """
     record: dict[str, float] = {}
     _loss(data, ranks, record)
-    for name in ("grad_norm", "num_zeros_in_grad", "learning_rate"):
-        if ranks[name] != _ABSENT:
-            record[name] = ranks[name]
-    steps = int(ranks["steps"]) if ranks["steps"] != _ABSENT else 0
+    for state, key in (("grad_norm", keys.GRAD_NORM), ("num_zeros_in_grad", keys.NUM_ZEROS_IN_GRAD),
+                       ("learning_rate", keys.LEARNING_RATE)):
+        if ranks[state] != _ABSENT:
+            record[key] = ranks[state]
+    steps = interval_steps(ranks)
     if steps == 0:
         return record
-    record["steps"] = steps
     by_rank: torch.Tensor = ranks["interval_seconds_by_rank"]
     slowest = int(torch.argmax(by_rank))  # first maximum: the lowest rank on ties
     seconds = float(by_rank[slowest])
-    record["step_time"] = seconds / steps
-    record["step_time_min"] = float(by_rank.min()) / steps
-    record["slowest_rank"] = slowest
-    if data["tokens"] > 0:
-        record["tokens"] = int(data["tokens"])
-        if seconds > 0:
-            record["tokens_per_second"] = data["tokens"] / seconds
-            record["tokens_per_second_per_gpu"] = record["tokens_per_second"] / setup.world_size
+    record[keys.STEP_TIME] = seconds / steps
+    record[keys.STEP_TIME_MIN] = float(by_rank.min()) / steps
+    record[keys.SLOWEST_RANK] = slowest
+    tokens = interval_tokens(data)
+    if tokens > 0 and seconds > 0:
+        record[keys.TOKENS_PER_SECOND] = tokens / seconds
+        record[keys.TOKENS_PER_SECOND_PER_GPU] = record[keys.TOKENS_PER_SECOND] / setup.world_size
     flops = _interval_flops(data, steps, setup)
     if flops is not None and seconds > 0:
-        record["tflops_per_gpu"] = flops / seconds / setup.world_size / 1e12
+        record[keys.TFLOPS_PER_GPU] = flops / seconds / setup.world_size / 1e12
         if setup.peak_tflops:
-            record["mfu"] = record["tflops_per_gpu"] / setup.peak_tflops
+            record[keys.MFU] = record[keys.TFLOPS_PER_GPU] / setup.peak_tflops
     for field in MEMORY_FIELDS:
         value = ranks[f"memory_{field}"]
         if value != _ABSENT:
-            record[f"memory/{field}"] = int(value) if field in ("alloc_retries", "ooms") else value
+            record[keys.MEMORY_PREFIX + field] = int(value) if field in ("alloc_retries", "ooms") else value
     return record
+
+
+def interval_steps(ranks: Mapping[str, Any]) -> int:
+    """Steps ended in the interval (0 when none)."""
+    return int(ranks["steps"]) if ranks["steps"] != _ABSENT else 0
+
+
+def interval_tokens(data: Mapping[str, Any]) -> int:
+    """Real tokens of the interval, summed over steps and DP×CP ranks."""
+    return int(data["tokens"])
 
 
 def _loss(data: Mapping[str, Any], ranks: Mapping[str, Any], record: dict[str, float]) -> None:
     if data["loss_tokens"] > 0:
-        record["loss"] = data["loss_sum"] / data["loss_tokens"]
+        record[keys.LOSS] = data["loss_sum"] / data["loss_tokens"]
     elif data["loss_means"] > 0:
-        record["loss"] = data["loss_mean_sum"] / data["loss_means"]
-    for name in ("nonfinite_loss_steps", "nonfinite_grad_norm_steps"):
-        value = ranks[name]
-        record[name] = int(value) if value != _ABSENT and math.isfinite(value) else 0
+        record[keys.LOSS] = data["loss_mean_sum"] / data["loss_means"]
+    for state, key in (("nonfinite_loss_steps", keys.NONFINITE_LOSS_STEPS),
+                       ("nonfinite_grad_norm_steps", keys.NONFINITE_GRAD_NORM_STEPS)):
+        value = ranks[state]
+        record[key] = int(value) if value != _ABSENT and math.isfinite(value) else 0
 
 
 def _interval_flops(data: Mapping[str, Any], steps: int, setup: ThroughputSetup) -> Optional[float]:

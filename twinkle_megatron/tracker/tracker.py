@@ -1,11 +1,17 @@
 """MetricsTracker: step time, real-token throughput, FLOPs and MFU, memory, smoothing, anomalies.
 
 Per step (``end_step``) the tracker only records device values into two
-internal metrics (no host sync, no collective). At a log step (step 1 and
-every ``log_interval`` steps) it reduces them together with the user's
-metrics in ONE ``calculate_metrics`` call (one SUM and one MAX all-reduce in
-total), builds the record (``record.py``), smooths it, and hands it to the
-logging backends on one rank. Every rank gets the same record back.
+internal metrics (no host sync, no collective). At a log step (step 1, every
+``log_interval`` steps, and the last step at ``close()``) it reduces them
+together with the user's metrics in ONE ``calculate_metrics`` call (one SUM and
+one MAX all-reduce in total), builds the record (``record.py``, keys in
+``twinkle_megatron.keys``), smooths it, and hands it to the logging backends on
+one rank. Every rank gets the same record back.
+
+The first step the tracker sees (``load_state_dict``'s step + 1, else the
+first ``end_step``) is the run's first step: every backend drops or supersedes
+what it holds from that step on, whether or not a checkpoint was loaded, so a
+restarted job never logs a step twice.
 
 Typical use with Megatron-LM::
 
@@ -29,6 +35,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .. import keys
 from ..logging import Backend, MetricsLogger, build_backend
 from ..metric.base import Metric
 from ..metric.collection import MetricCollection, calculate_metrics, same_value
@@ -36,13 +43,13 @@ from ..parallel import ParallelContext
 from .flops import flops_coefficients, num_floating_point_operations
 from .memory import read_device_memory, reset_peak_memory
 from .peak import PRECISIONS, current_device_name, fp8_autocast_active, peak_tflops
-from .record import ThroughputSetup, interval_record
+from .record import ThroughputSetup, interval_record, interval_steps, interval_tokens
+from .run_config import build_run_config
 from .smoothing import ExponentialMovingAverages, is_loss_spike
 from .step_states import RankStates, StepDataStates
 from .timer import StepTimer
 
 LossInput = Union[torch.Tensor, float, Mapping[str, Any], Sequence[Any]]
-SMOOTHED = ("loss", "tokens_per_second", "mfu", "step_time")
 
 
 class MetricsTracker:
@@ -64,12 +71,16 @@ class MetricsTracker:
             active at a step boundary, else BF16): which peak MFU is against.
         device_name: the device to look the peak up for (default: the current
             CUDA device; none on CPU, so no MFU there).
-        ema_alpha: per-step smoothing factor of the EMAs (``loss_ema``, ``tokens_per_second_ema``,
-            ``mfu_ema``, ``step_time_ema``); an interval of n steps is folded in at a log
-            step with the weight of n steps, ``1 − (1 − α)^n``.
-        spike_threshold: ``loss_spike`` is 1 when loss > (1 + threshold) · loss_ema.
+        ema_alpha: per-step smoothing factor of the EMAs (``train/loss_ema``,
+            ``perf/tokens_per_second_ema``, ``perf/mfu_ema``, ``perf/step_time_ema``); an
+            interval of n steps is folded in at a log step with the weight of n steps,
+            ``1 − (1 − α)^n``.
+        spike_threshold: ``train/loss_spike`` is 1 when loss > (1 + threshold) · the loss EMA.
         backends: names (``stdout``, ``jsonl``, ``tensorboard``, ``wandb``,
             ``swanlab``, ``mlflow``) or :class:`Backend` objects; files go under ``log_dir``.
+        config: the user's run configuration (hyperparameters...), logged once to
+            every backend with the tracker's own (layout, model shape, batch,
+            FLOPs, versions; see ``run_config.py``).
         writer_rank: the global rank that writes (default 0).
         device_mesh, process_group: the parallel layout, as for every metric
             (default: megatron-core's parallel_state, else the world).
@@ -84,7 +95,8 @@ class MetricsTracker:
                  precision: str = "auto", device_name: Optional[str] = None, ema_alpha: float = 0.1,
                  spike_threshold: float = 0.5, backends: Iterable[Union[str, Backend]] = ("stdout", "jsonl"),
                  log_dir: str = "logs", writer_rank: int = 0, device_mesh: Any = None, process_group: Any = None,
-                 ignore_index: int = -100, loss_key: str = "lm loss") -> None:
+                 ignore_index: int = -100, loss_key: str = "lm loss",
+                 config: Optional[Mapping[str, Any]] = None) -> None:
         if log_interval < 1:
             raise ValueError(f"log_interval must be at least 1, got {log_interval}")
         if precision != "auto" and precision not in PRECISIONS:
@@ -107,11 +119,18 @@ class MetricsTracker:
         self._peak_override = peak_tflops
         self.device_name = device_name if device_name is not None else current_device_name()
         self.ema = ExponentialMovingAverages(ema_alpha)
-        self.logger = MetricsLogger([build_backend(b, log_dir) for b in backends], writer_rank=writer_rank)
+        self.logger = MetricsLogger([build_backend(b, log_dir) for b in backends], writer_rank=writer_rank,
+                                    log_dir=log_dir)
+        self.user_config = dict(config or {})
+        self._seq_length, self._global_batch_size, self._padded_vocab_size = seq_length, global_batch_size, \
+            padded_vocab_size
         self.timer = StepTimer()
         self.last_step = 0
-        self.tokens_total = 0
+        self.consumed_tokens = 0
         self.last_record: dict[str, float] = {}
+        self._pending_steps = 0  # steps ended since the last log (host count: every rank ends every step)
+        self._started = False  # the run's first step is known (and given to the logger)
+        self._closed = False
         self._data: Optional[StepDataStates] = None
         self._ranks: Optional[RankStates] = None
         self._warned: set[str] = set()
@@ -155,6 +174,8 @@ class MetricsTracker:
         self._note_precision()
         self.timer.stop()
         self.last_step = step = self.last_step + 1 if step is None else int(step)
+        self._start(step)
+        self._pending_steps += 1
         data, ranks = self._states()
         nonfinite_loss: Any = 0.0
         loss_tokens = None
@@ -192,6 +213,7 @@ class MetricsTracker:
     # ------------------------------------------------------------ logging
 
     def _log(self, step: int) -> dict[str, float]:
+        self._pending_steps = 0
         context = self._context()
         data, ranks = self._states()
         ranks.set_interval(_rank_index(context), sum(self.timer.collect()), read_device_memory())
@@ -200,30 +222,32 @@ class MetricsTracker:
         setup = ThroughputSetup(world_size=context.reduce_size, flops_per_step=self.flops_per_step,
                                 flops_coefficients=self._coefficients, peak_tflops=self._peak_tflops())
         record = interval_record(data.reduced, ranks.reduced, setup)
-        if "slowest_rank" in record and context.distributed and context.reduce_group is not None:
-            record["slowest_rank"] = dist.get_global_rank(context.reduce_group, record["slowest_rank"])
-        self.tokens_total += record.get("tokens", 0)
-        if "tokens" in record:
-            record["tokens_total"] = self.tokens_total
+        if keys.SLOWEST_RANK in record and context.distributed and context.reduce_group is not None:
+            record[keys.SLOWEST_RANK] = dist.get_global_rank(context.reduce_group, record[keys.SLOWEST_RANK])
+        tokens = interval_tokens(data.reduced)
+        self.consumed_tokens += tokens
+        if tokens > 0 or self.consumed_tokens > 0:
+            record[keys.CONSUMED_TOKENS] = self.consumed_tokens
         clashes = sorted(key for key in set(results) & set(record) if not same_value(results[key], record[key]))
         if clashes:
             raise ValueError(f"metrics passed to MetricsTracker report {clashes}, which the tracker reports too; "
                              "give that value to the metric or to end_step, not to both")
         record.update(results)
-        self._smooth(record)  # after the merge: a LossMetric's loss is smoothed like the tracker's own
+        self._smooth(record, interval_steps(ranks.reduced))  # after the merge: a LossMetric's loss too
         self.last_record = record
         self.logger.log(record, step)
         return record
 
-    def _smooth(self, record: dict[str, float]) -> None:
-        """Add ``<name>_ema`` for the smoothed values, and ``loss_spike`` against the EMA before this loss."""
-        if "loss" in record:
-            record["loss_spike"] = int(is_loss_spike(record["loss"], self.ema.get("loss"), self.spike_threshold))
-        for name in SMOOTHED:
+    def _smooth(self, record: dict[str, float], steps: int) -> None:
+        """Add the EMAs of the smoothed values, and the loss spike flag against the EMA before this loss."""
+        if keys.LOSS in record:
+            record[keys.LOSS_SPIKE] = int(is_loss_spike(record[keys.LOSS], self.ema.get(keys.LOSS),
+                                                        self.spike_threshold))
+        for name, ema_key in keys.EMA_OF.items():
             if name in record:
-                smoothed = self.ema.update(name, record[name], int(record.get("steps", 1)))
+                smoothed = self.ema.update(name, record[name], max(steps, 1))
                 if smoothed is not None:
-                    record[f"{name}_ema"] = smoothed
+                    record[ema_key] = smoothed
 
     def log_eval(self, step: Optional[int] = None, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
                  **values: Any) -> dict[str, float]:
@@ -235,43 +259,74 @@ class MetricsTracker:
         next training step.
         """
         step = self.last_step if step is None else int(step)
+        self._start(step)
         record: dict[str, Any] = {}
         metric_list = _metric_list(metrics)
         if metric_list:
             record.update(calculate_metrics(metric_list))
         for key, value in values.items():
             record[key] = float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-        record = {f"eval/{key}": value for key, value in record.items()}
+        record = {f"{keys.EVAL_PREFIX}{key}": value for key, value in record.items()}
         self.logger.log(record, step)
         self.timer.restart_clock()
         return record
 
     def close(self) -> None:
-        """Flush and close the logging backends."""
+        """Log the last steps if they were not logged yet, then flush and close the logging backends.
+
+        Collective when steps are pending since the last log step (``--steps 7``
+        with ``log_interval=5`` logs step 7 here): every rank calls ``close()``,
+        as every rank calls ``end_step``. Closing twice is harmless.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending_steps:
+            self._log(self.last_step)
         self.logger.close()
 
     # ------------------------------------------------------------ resuming
 
     def state_dict(self) -> dict[str, Any]:
-        """Step number, cumulative tokens and EMAs: host values, the same on every rank.
+        """Step number, consumed tokens and EMAs: host values, the same on every rank.
 
-        Steps after the last log step are not in ``tokens_total`` (their
+        Steps after the last log step are not in ``consumed_tokens`` (their
         counts are still on the devices): checkpoint at a log step to lose none.
         """
-        return {"step": self.last_step, "tokens_total": self.tokens_total, "ema": self.ema.state_dict()}
+        return {"step": self.last_step, "consumed_tokens": self.consumed_tokens, "ema": self.ema.state_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue a run: step numbering, totals and EMAs; backends drop what the old run logged after it.
 
-        Call it before the first step of the resumed run.
+        Call it before the first step of the resumed run: the run's first step is
+        the saved step + 1.
         """
+        if self._started:
+            warnings.warn("MetricsTracker.load_state_dict() after the run started: the logs keep the points of "
+                          "the steps already logged; load the state before the first step", RuntimeWarning,
+                          stacklevel=2)
         self.last_step = int(state_dict["step"])
-        self.tokens_total = int(state_dict["tokens_total"])
+        self.consumed_tokens = int(state_dict["consumed_tokens"])
         self.ema.load_state_dict(state_dict["ema"])
-        self.logger.resume(self.last_step)
+        self._start(self.last_step + 1)
         self.timer.restart_clock()
 
     # ------------------------------------------------------------ helpers
+
+    def _start(self, first_step: int) -> None:
+        """Give the logger the run's first step and configuration, once (the first of load, end_step, log_eval)."""
+        if self._started:
+            return
+        self._started = True
+        self.logger.start(first_step, self.run_config())
+
+    def run_config(self) -> dict[str, Any]:
+        """The configuration logged to every backend (``run_config.py``), with the user's ``config`` last."""
+        return build_run_config(self._context(), model_config=self.model_config,
+                                padded_vocab_size=self._padded_vocab_size, seq_length=self._seq_length,
+                                global_batch_size=self._global_batch_size, flops_per_step=self.flops_per_step,
+                                log_interval=self.log_interval, peak_tflops=self._peak_tflops(),
+                                device_name=self.device_name, user_config=self.user_config)
 
     def _context(self) -> ParallelContext:
         return self._states()[0].context

@@ -1,0 +1,539 @@
+"""The logging backends against the real packages, read back by each tool's own reader.
+
+tensorboard, wandb (offline), mlflow (sqlite store) and swanlab (offline) are
+installed by ``make test-backends`` (pinned in ``tests/requirements-backends.txt``);
+without them these tests are skipped, saying which package is missing.
+
+The central scenario: a training of 20 steps (log every step, an eval at step
+15) checkpoints at step 10 and dies at 20; the requeued job loads the step-10
+checkpoint and logs steps 11..20 again with other values (and an eval at 18).
+Each tool's reader must then show every key at every step exactly once, with
+the values of the run that continued — no abandoned point (the first attempt's
+steps 11..20, its eval at 15) — and the run configuration.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import warnings
+
+import pytest
+
+from twinkle_megatron import TrainMetric
+from twinkle_megatron.logging import (
+    JsonlBackend,
+    MlflowBackend,
+    SwanLabBackend,
+    TensorBoardBackend,
+    WandbBackend,
+    read_jsonl,
+)
+from twinkle_megatron.logging.mlflow import SUPERSEDED_BY_TAG, mlflow_key
+from twinkle_megatron.tracker import MetricsTracker
+
+PACKAGES = ("tensorboard", "wandb", "mlflow", "swanlab")
+
+
+def needs(*packages: str):
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed: `make test-backends` "
+                                                    "installs the pinned logging packages")
+
+
+Timeline = dict  # {key: {step: value}}
+
+
+# ------------------------------------------------------------------ the scenario
+
+
+def _environment(monkeypatch, tmp_path) -> None:
+    """Offline, quiet, and nothing written outside tmp_path."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("SWANLAB_SAVE_DIR", str(tmp_path / "swanlab-config"))
+    for name in ("WANDB_RUN_ID", "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "MLFLOW_TRACKING_URI",
+                 "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _backends(run_dir: str, tracking_uri: str) -> list:
+    return [JsonlBackend(os.path.join(run_dir, "metrics.jsonl")), TensorBoardBackend(os.path.join(run_dir, "tb")),
+            WandbBackend(project="twinkle-test", directory=run_dir),
+            MlflowBackend(experiment="twinkle-test", run_name="resumed", tracking_uri=tracking_uri),
+            SwanLabBackend(project="twinkle-test", mode="offline", log_dir=os.path.join(run_dir, "swanlog"))]
+
+
+def _attempt(run_dir: str, tracking_uri: str, steps: range, loss_offset: float, checkpoint=None, eval_at=None,
+             save_at=None):
+    """One job: the tracker with every backend, a TrainMetric with two parameter groups (Twinkle's keys)."""
+    train = TrainMetric()
+    tracker = MetricsTracker(log_interval=1, metrics=[train], backends=_backends(run_dir, tracking_uri),
+                             log_dir=run_dir, config={"optimizer": {"name": "adam", "lr": 1e-3}, "seed": 7})
+    if checkpoint is not None:
+        tracker.load_state_dict(checkpoint["tracker"])
+        train.load_state_dict(checkpoint["train"])
+    records, saved = {}, None
+    for step in steps:
+        train.accumulate(None, {"lr": [1e-3, 2e-3], "step": step})
+        records[step] = tracker.end_step(step, loss=loss_offset + step, tokens=8, grad_norm=0.5, lr=1e-3)
+        if step == eval_at:
+            records[step] = {**records[step], **tracker.log_eval(loss=loss_offset / 100 + 0.25)}
+        if step == save_at:
+            saved = {"tracker": tracker.state_dict(), "train": train.state_dict()}
+    tracker.close()
+    return records, saved
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """Run the two attempts once for every backend; the expected timeline and where each backend wrote."""
+    for name in PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} not installed: `make test-backends` installs the pinned logging packages")
+    tmp_path = tmp_path_factory.mktemp("resumed")
+    run_dir, tracking_uri = str(tmp_path / "run"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as monkeypatch, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _environment(monkeypatch, tmp_path)
+        first, checkpoint = _attempt(run_dir, tracking_uri, range(1, 21), 100.0, eval_at=15, save_at=10)
+        time.sleep(1.1)  # W&B and SwanLab name run directories by the second: a real restart takes longer
+        second, _ = _attempt(run_dir, tracking_uri, range(11, 21), 200.0, checkpoint=checkpoint, eval_at=18)
+    failures = [str(w.message) for w in caught if "failed and is disabled" in str(w.message)]
+    expected: Timeline = {}
+    for step, record in [*((s, r) for s, r in first.items() if s <= 10), *second.items()]:
+        for key, value in record.items():
+            expected.setdefault(key, {})[step] = value
+    return {"expected": expected, "run_dir": run_dir, "tracking_uri": tracking_uri, "failures": failures,
+            "abandoned": first}
+
+
+def _assert_timeline(read: Timeline, expected: Timeline, float32: bool = False) -> None:
+    assert sorted(read) == sorted(expected)
+    for key, points in expected.items():
+        assert sorted(read[key]) == sorted(points), f"{key}: steps {sorted(read[key])}"
+        for step, value in points.items():
+            want = _as_float32(value) if float32 else value
+            assert read[key][step] == pytest.approx(want, rel=1e-12, abs=0), f"{key} at step {step}"
+
+
+def _as_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _check_scenario_expectations(expected: Timeline) -> None:
+    """What the scenario must contain for the checks to mean something."""
+    assert expected["loss"] == {step: (100.0 if step <= 10 else 200.0) + step for step in range(1, 21)}
+    assert expected["eval/loss"] == {18: 2.25}, "the eval of step 15 was abandoned"
+    assert expected["train/consumed_tokens"][20] == 160
+    assert "learning rate(param group 1)" in expected and "learning rate" in expected
+
+
+# ------------------------------------------------------------------ JSONL (the baseline)
+
+
+@needs(*PACKAGES)
+def test_jsonl_holds_every_step_once(resumed_run):
+    _check_scenario_expectations(resumed_run["expected"])
+    read: Timeline = {}
+    for record in read_jsonl(os.path.join(resumed_run["run_dir"], "metrics.jsonl")):
+        for key, value in record.items():
+            if key != "step":
+                assert record["step"] not in read.get(key, {}), f"{key} twice at step {record['step']}"
+                read.setdefault(key, {})[record["step"]] = value
+    _assert_timeline(read, resumed_run["expected"])
+
+
+# ------------------------------------------------------------------ TensorBoard: three loaders
+
+
+def _tb_dir(resumed_run) -> str:
+    return os.path.join(resumed_run["run_dir"], "tb")
+
+
+@needs(*PACKAGES)
+def test_tensorboard_event_accumulator(resumed_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    assert not [f for f in resumed_run["failures"] if "'tensorboard'" in f]
+    events = EventAccumulator(_tb_dir(resumed_run))
+    events.Reload()
+    read = {tag: {}for tag in events.Tags()["scalars"]}
+    for tag in read:
+        for event in events.Scalars(tag):
+            assert event.step not in read[tag], f"{tag} twice at step {event.step}"
+            read[tag][event.step] = event.value
+    _assert_timeline(read, resumed_run["expected"], float32=True)
+    sessions = [HParamsPluginData.FromString(content).session_start_info
+                for tag, content in events.PluginTagToContent("hparams").items() if "session_start_info" in tag]
+    assert len(sessions) == 1, "one configuration: the earlier run's is replaced"
+    hparams = {key: value.number_value or value.string_value for key, value in sessions[0].hparams.items()}
+    assert hparams["parallel.tp"] == 1 and hparams["optimizer.name"] == "adam" and hparams["seed"] == 7
+    assert hparams["versions.twinkle_megatron"] and hparams["training.log_interval"] == 1
+
+
+@needs(*PACKAGES)
+def test_tensorboard_legacy_app_loader(resumed_run):
+    """The loader of ``tensorboard --load_fast=false``: it ignores the first START marker of a run."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    multiplexer = EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(_tb_dir(resumed_run))
+    multiplexer.Reload()
+    (run,) = multiplexer.Runs()
+    accumulator = multiplexer.GetAccumulator(run)
+    read: Timeline = {}
+    for tag in accumulator.Tags()["tensors"]:
+        if tag.startswith("_hparams_"):
+            continue
+        for event in accumulator.Tensors(tag):
+            assert event.step not in read.get(tag, {}), f"{tag} twice at step {event.step}"
+            read.setdefault(tag, {})[event.step] = float(event.tensor_proto.float_val[0])
+    _assert_timeline(read, resumed_run["expected"], float32=True)
+
+
+@needs(*PACKAGES)
+def test_tensorboard_app_with_its_data_server(resumed_run):
+    """The real ``tensorboard`` app (Rust data server, the default), asked over HTTP on the loopback."""
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", _tb_dir(resumed_run), "--host", "127.0.0.1",
+               "--port", "0", "--load_fast", "true"]
+    app = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = None
+        deadline = time.monotonic() + 60
+        while base is None and time.monotonic() < deadline:
+            line = app.stdout.readline()
+            if not line and app.poll() is not None:
+                break
+            match = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
+            base = match.group(1) if match else None
+        assert base is not None, "tensorboard did not start"
+        tags = _wait_for_tags(base, deadline)
+        read: Timeline = {}
+        for tag in tags:
+            query = urllib.parse.urlencode({"run": ".", "tag": tag})
+            with urllib.request.urlopen(f"{base}/data/plugin/scalars/scalars?{query}", timeout=30) as response:
+                points = json.load(response)
+            for _, step, value in points:
+                assert step not in read.get(tag, {}), f"{tag} twice at step {step}"
+                read.setdefault(tag, {})[step] = value
+        _assert_timeline(read, resumed_run["expected"], float32=True)
+    finally:
+        app.terminate()
+        app.wait(timeout=30)
+
+
+def _wait_for_tags(base: str, deadline: float) -> list:
+    """The scalar tags of the run once the data server has loaded it (it loads in the background)."""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/data/plugin/scalars/tags", timeout=10) as response:
+                tags = json.load(response).get(".", {})
+            if "eval/loss" in tags:
+                time.sleep(2)  # one more reload cycle: every file is read
+                with urllib.request.urlopen(f"{base}/data/plugin/scalars/tags", timeout=10) as response:
+                    return list(json.load(response)["."])
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the data server did not load the run in time")
+
+
+# ------------------------------------------------------------------ W&B offline: its transaction log
+
+
+def wandb_records(run_dir: str) -> list:
+    """The records of one offline run directory, as ``wandb leet inspect --json`` (W&B's own reader) prints them."""
+    wandb = os.path.join(os.path.dirname(sys.executable), "wandb")
+    done = subprocess.run([wandb, "leet", "inspect", "--json", run_dir], capture_output=True, text=True,
+                          timeout=120, check=True)
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def wandb_run_dirs(directory: str, run_id: str) -> list:
+    return sorted(glob.glob(os.path.join(directory, "wandb", f"offline-run-*-{run_id}")))
+
+
+def wandb_visible_history(directory: str, run_id: str) -> tuple[Timeline, dict]:
+    """What the run shows once its files are synced: each file's history in start order, and a run record's
+    ``branch_point`` on the same run (a rewind, ``resume_from``) first drops the history after its step."""
+    history: Timeline = {}
+    config: dict = {}
+    for run_dir in wandb_run_dirs(directory, run_id):
+        for record in wandb_records(run_dir):
+            if record["type"] == "run":
+                branch = record["run"].get("branch_point")
+                if branch and branch["run"] == run_id and branch["metric"] == "_step":
+                    history = {key: {step: value for step, value in points.items() if step <= branch.get("value", 0)}
+                               for key, points in history.items()}
+                config.update(record["run"].get("config", {}).get("update", {}))
+            elif record["type"] == "config":
+                config.update(record["config"].get("update", {}))
+            elif record["type"] == "history":
+                step = int(record["history"]["step"]["num"])
+                for key, value in record["history"]["item"].items():
+                    if not key.startswith("_"):
+                        history.setdefault(key, {})[step] = value
+    return history, config
+
+
+def _wandb_values(history: Timeline) -> Timeline:
+    """W&B writes non-finite numbers as the strings 'NaN' / 'Infinity'."""
+    return {key: {step: float(value) for step, value in points.items()} for key, points in history.items()}
+
+
+@needs(*PACKAGES)
+def test_wandb_offline_run_is_rewound_to_the_checkpoint(resumed_run):
+    assert not [f for f in resumed_run["failures"] if "'wandb'" in f]
+    with open(os.path.join(resumed_run["run_dir"], "run_ids.json")) as file:
+        run_id = json.load(file)["wandb"]
+    directories = wandb_run_dirs(resumed_run["run_dir"], run_id)
+    assert len(directories) == 2, "the requeued job continues the same run id"
+    history, config = wandb_visible_history(resumed_run["run_dir"], run_id)
+    _assert_timeline(_wandb_values(history), resumed_run["expected"])
+    runs = [r for r in wandb_records(directories[1]) if r["type"] == "run"]
+    assert runs[0]["run"]["branch_point"] == {"metric": "_step", "run": run_id, "value": 10}
+    assert config["parallel"]["tp"] == 1 and config["optimizer"]["name"] == "adam" and config["seed"] == 7
+    assert config["versions"]["twinkle_megatron"]
+
+
+# ------------------------------------------------------------------ MLflow: MlflowClient
+
+
+@needs(*PACKAGES)
+def test_mlflow_run_holds_every_step_once(resumed_run):
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    assert not [f for f in resumed_run["failures"] if "'mlflow'" in f]
+    client = MlflowClient(tracking_uri=resumed_run["tracking_uri"])
+    experiment = client.get_experiment_by_name("twinkle-test")
+    (visible,) = client.search_runs([experiment.experiment_id])  # active runs only: what the UI lists
+    read = {key: {m.step: m.value for m in client.get_metric_history(visible.info.run_id, key)}
+            for key in visible.data.metrics}
+    for key in read:
+        steps = [m.step for m in client.get_metric_history(visible.info.run_id, key)]
+        assert len(steps) == len(set(steps)), f"{key} holds a step twice"
+    expected = {mlflow_key(key): points for key, points in resumed_run["expected"].items()}
+    assert "learning rate_param group 1_" in expected, "Twinkle's key, in MLflow's characters"
+    _assert_timeline(read, expected)
+    assert visible.data.params["parallel.tp"] == "1" and visible.data.params["optimizer.name"] == "adam"
+    assert visible.info.status == "FINISHED" and visible.info.run_name == "resumed"
+    everything = client.search_runs([experiment.experiment_id], run_view_type=ViewType.ALL)
+    (superseded,) = [run for run in everything if run.info.run_id != visible.info.run_id]
+    assert superseded.info.lifecycle_stage == "deleted"
+    assert superseded.data.tags[SUPERSEDED_BY_TAG] == visible.info.run_id
+
+
+# ------------------------------------------------------------------ SwanLab offline: its local store
+
+
+def swanlab_scalars(run_dir: str) -> Timeline:
+    """The scalars of a SwanLab run directory, read with SwanLab's own record reader (what ``swanlab sync`` reads)."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    (path,) = glob.glob(os.path.join(run_dir, "run-*.swanlab"))
+    reader = DataStoreReader()
+    reader.open(path)
+    read: Timeline = {}
+    for raw in reader:
+        record = Record.FromString(raw)
+        if record.HasField("scalar"):
+            key, step = record.scalar.key, record.scalar.step
+            assert step not in read.get(key, {}), f"{key} twice at step {step}"
+            read.setdefault(key, {})[step] = record.scalar.value.number
+    reader.close()
+    return read
+
+
+@needs(*PACKAGES)
+def test_swanlab_local_store_holds_every_step_once(resumed_run):
+    import yaml
+
+    assert not [f for f in resumed_run["failures"] if "'swanlab'" in f]
+    store = os.path.join(resumed_run["run_dir"], "swanlog")
+    (run_dir,) = glob.glob(os.path.join(store, "run-*"))  # the superseded attempt was moved aside
+    assert len(glob.glob(os.path.join(store, "superseded", "run-*"))) == 1
+    read = {key: points for key, points in swanlab_scalars(run_dir).items() if key in resumed_run["expected"]}
+    _assert_timeline(read, resumed_run["expected"])
+    with open(os.path.join(run_dir, "files", "config.yaml")) as file:
+        config = yaml.safe_load(file)
+    values = {key: item["value"] if isinstance(item, dict) and "value" in item else item
+              for key, item in config.items()}
+    assert values["parallel"]["tp"] == 1 and values["optimizer"]["name"] == "adam" and values["seed"] == 7
+
+
+# ------------------------------------------------------------------ a run the user started (item 3)
+
+
+@needs("wandb")
+def test_wandb_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, monkeypatch):
+    import wandb
+
+    _environment(monkeypatch, tmp_path)
+    user_run = wandb.init(project="mine", dir=str(tmp_path), config={"mine": 1})
+    try:
+        tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=str(tmp_path), config={"seed": 3})
+        for step in (1, 2, 3):
+            tracker.end_step(step, loss=float(step))
+        tracker.close()
+        user_run.log({"after": 1.0}, step=4)  # raised "run is finished" when the tracker finished it
+        assert user_run.config["mine"] == 1 and user_run.config["seed"] == 3
+        run_id = user_run.id
+    finally:
+        user_run.finish()
+    history, _ = wandb_visible_history(str(tmp_path), run_id)
+    assert history["loss"] == {1: 1.0, 2: 2.0, 3: 3.0} and history["after"] == {4: 1.0}
+
+
+@needs("mlflow")
+def test_mlflow_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, monkeypatch):
+    import mlflow
+
+    _environment(monkeypatch, tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        with mlflow.start_run() as user_run:
+            tracker = MetricsTracker(log_interval=1, backends=["mlflow"], log_dir=str(tmp_path))
+            for step in (1, 2):
+                tracker.end_step(step, loss=float(step))
+            tracker.close()
+            assert mlflow.active_run().info.run_id == user_run.info.run_id, "still the user's"
+            mlflow.log_metric("after", 1.0, step=3)
+        client = mlflow.MlflowClient()
+        assert [(m.step, m.value) for m in client.get_metric_history(user_run.info.run_id, "loss")] == \
+            [(1, 1.0), (2, 2.0)]
+        assert client.get_run(user_run.info.run_id).data.params["parallel.tp"] == "1"
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+@needs("swanlab")
+def test_swanlab_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, monkeypatch):
+    import swanlab
+
+    _environment(monkeypatch, tmp_path)
+    user_run = swanlab.init(project="mine", mode="offline", log_dir=str(tmp_path / "mine"))
+    try:
+        tracker = MetricsTracker(log_interval=1, backends=["swanlab"], log_dir=str(tmp_path))
+        for step in (1, 2):
+            tracker.end_step(step, loss=float(step))
+        tracker.close()
+        assert swanlab.has_run() and swanlab.get_run() is user_run
+        user_run.log({"after": 1.0}, step=3)
+    finally:
+        user_run.finish()
+    (run_dir,) = glob.glob(str(tmp_path / "mine" / "run-*"))
+    read = swanlab_scalars(run_dir)
+    assert read["loss"] == {1: 1.0, 2: 2.0} and read["after"] == {3: 1.0}
+
+
+# ------------------------------------------------------------------ run identity (item 4), keys (item 1)
+
+
+def _wandb_training(log_dir: str) -> str:
+    tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=log_dir)
+    tracker.end_step(1, loss=1.0)
+    tracker.close()
+    with open(os.path.join(log_dir, "run_ids.json")) as file:
+        return json.load(file)["wandb"]
+
+
+@needs("wandb")
+def test_wandb_fresh_runs_get_fresh_ids_and_a_requeued_job_keeps_its_id(tmp_path, monkeypatch):
+    _environment(monkeypatch, tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    first = _wandb_training(str(tmp_path / "a"))
+    second = _wandb_training(str(tmp_path / "a"))  # a second training in the same allocation and directory
+    assert first != second and "4242" not in (first, second)
+    time.sleep(1.1)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the job was requeued before its first checkpoint
+    assert _wandb_training(str(tmp_path / "a")) == second
+    history, _ = wandb_visible_history(str(tmp_path / "a"), second)
+    assert history["loss"] == {1: 1.0}, "rewound to step 0: step 1 once"
+
+
+@needs("mlflow")
+def test_a_failing_mlflow_backend_leaves_no_active_run(tmp_path, monkeypatch):
+    import mlflow
+
+    _environment(monkeypatch, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment("gone"))  # MLflow refuses new runs in it
+    tracker = MetricsTracker(log_interval=1, backends=[MlflowBackend(experiment="gone", tracking_uri=uri)])
+    with pytest.warns(RuntimeWarning, match="'mlflow' failed and is disabled"):
+        tracker.end_step(1, loss=1.0)
+    tracker.close()
+    assert mlflow.active_run() is None
+    mlflow.set_tracking_uri(uri)
+    try:
+        with mlflow.start_run() as run:  # raised "Run ... is already active" when the backend left one
+            mlflow.log_metric("x", 1.0)
+        assert run.info.run_id
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+@needs("mlflow")
+def test_mlflow_keys_twinkle_names_are_logged_not_fatal(tmp_path, monkeypatch):
+    """``learning rate(param group 1)`` made MLflow raise at step 1 and disable the backend: nothing was logged."""
+    from mlflow import MlflowClient
+
+    _environment(monkeypatch, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    train = TrainMetric()
+    tracker = MetricsTracker(log_interval=1, metrics=[train], log_dir=str(tmp_path),
+                             backends=[MlflowBackend(experiment="keys", tracking_uri=uri)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no backend may be disabled
+        train.accumulate(None, {"lr": [1e-3, 5e-4], "step": 1})
+        tracker.end_step(1, loss=2.0)
+        tracker.log_eval(**{"profiling/Time taken: generate": 1.5})
+    tracker.close()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("keys").experiment_id])
+    assert run.data.metrics["loss"] == 2.0
+    assert run.data.metrics["learning rate_param group 1_"] == 1e-3
+    assert run.data.metrics["learning rate_param group 2_"] == 5e-4
+    assert run.data.metrics["eval/profiling/Time taken_ generate"] == 1.5
+
+
+# ------------------------------------------------------------------ TensorBoard: a requeue before any checkpoint
+
+
+@needs("tensorboard")
+def test_tensorboard_restart_from_scratch_supersedes_every_loader_sees_it(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    log_dir = str(tmp_path / "tb")
+    for attempt in (1, 2):
+        tracker = MetricsTracker(log_interval=1, backends=[TensorBoardBackend(log_dir)])
+        for step in range(1, 4 if attempt == 2 else 6):
+            tracker.end_step(step, loss=10.0 * attempt + step)
+        tracker.close()
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 21.0), (2, 22.0), (3, 23.0)]
+    multiplexer = EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(log_dir)
+    multiplexer.Reload()
+    tensors = multiplexer.GetAccumulator(".").Tensors("loss")
+    assert [(e.step, e.tensor_proto.float_val[0]) for e in tensors] == [(1, 21.0), (2, 22.0), (3, 23.0)]
+    assert all(math.isfinite(e.value) for e in events.Scalars("perf/step_time"))
