@@ -479,10 +479,13 @@ def summarise_train_log(path: Path) -> dict:
         return [r[key] for r in later if key in r and math.isfinite(r[key])]
 
     summary: dict = {"records": len(records), "steps": [int(records[0]["step"]), int(records[-1]["step"])]}
-    for key in ("step_time", "tokens_per_second", "tflops_per_gpu", "mfu"):
+    from twinkle_megatron import keys
+
+    for name, key in (("step_time", keys.STEP_TIME), ("tokens_per_second", keys.TOKENS_PER_SECOND),
+                      ("tflops_per_gpu", keys.TFLOPS_PER_GPU), ("mfu", keys.MFU)):
         found = values(key)
         if found:
-            summary[key] = statistics.median(found)
+            summary[name] = statistics.median(found)
     last = records[-1]
     summary["memory"] = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("memory/")}
     losses = [r["loss"] for r in records if "loss" in r]
