@@ -28,8 +28,8 @@ from twinkle_megatron.ops import (
     vocab_parallel_logprobs,
     vocab_parallel_token_stats,
 )
-from twinkle_megatron.ops._shard import decode_key, encode_key
-from twinkle_megatron.ops.token_stats import _first_max_column
+from twinkle_megatron.ops.shard import decode_key, encode_key
+from twinkle_megatron.ops.token_stats import first_max_column
 
 IGNORE = -100
 ATOL = RTOL = 1e-5
@@ -389,7 +389,7 @@ def test_two_level_argmax_matches_torch(n_cols: int) -> None:
         if n_cols >= width:
             n_blocks = -(-n_cols // width)
             table = torch.stack([x[:, i * width:(i + 1) * width].amax(-1) for i in range(n_blocks)], dim=1)
-            assert torch.equal(_first_max_column(x, table, width, 4), x.argmax(-1))
+            assert torch.equal(first_max_column(x, table, width, 4), x.argmax(-1))
 
 
 def test_nonfinite_token_is_isolated() -> None:

@@ -6,10 +6,13 @@ shape ``logits.shape[:-1]`` and are identical on every rank of ``group``.
 ``group=None`` or a group of one rank means the whole vocabulary is local.
 """
 
-from .argmax import vocab_parallel_argmax
-from .entropy import vocab_parallel_entropy
-from .logprobs import vocab_parallel_logprobs
-from .token_stats import TokenStats, vocab_parallel_token_stats
+from .token_stats import (
+    TokenStats,
+    vocab_parallel_argmax,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+    vocab_parallel_token_stats,
+)
 
 __all__ = [
     "TokenStats",

@@ -22,14 +22,14 @@ column, and the sums relative to the *local* maximum
 
 plus the label's logit :math:`x_y` from the one rank whose columns hold
 :math:`y` (0 elsewhere). Two implementations compute it, with one contract
-(:func:`_torch_local_pass`): a chunked torch loop (the reference, and the CPU
+(:func:`torch_local_pass`): a chunked torch loop (the reference, and the CPU
 path) and a fused one-read Triton kernel for GPUs
 (:mod:`.triton_token_stats`); ``kernel=`` or the environment variable
 ``TWINKLE_MEGATRON_TOKEN_STATS_KERNEL`` picks one (:mod:`.kernel_select`).
 Everything after it -- collectives and epilogue -- is the same code for both.
 
 **Collective 1** -- all-reduce MAX of one int64 key per token that packs
-:math:`m_r` and its global column (see :mod:`._shard`): it gives :math:`m` and
+:math:`m_r` and its global column (see :mod:`.shard`): it gives :math:`m` and
 the argmax, ties going to the lowest global column.
 
 **Rescale** with :math:`\delta_r = m_r - m \le 0`:
@@ -84,7 +84,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ._shard import (
+from .kernel_select import choose_kernel, triton_local_pass
+from .shard import (
     Shard,
     as_token_rows,
     block_width,
@@ -96,9 +97,9 @@ from ._shard import (
     restore_layout,
     token_order,
 )
-from .kernel_select import choose_kernel, triton_local_pass
 
-__all__ = ["TokenStats", "vocab_parallel_token_stats"]
+__all__ = ["TokenStats", "vocab_parallel_argmax", "vocab_parallel_entropy", "vocab_parallel_logprobs",
+           "vocab_parallel_token_stats"]
 
 
 class TokenStats(NamedTuple):
@@ -146,6 +147,61 @@ def vocab_parallel_token_stats(logits: torch.Tensor, labels: Optional[torch.Tens
     return _token_stats(logits, labels, group, vocab_size, chunk_size, ignore_index, need_sums=True, kernel=kernel)
 
 
+def vocab_parallel_argmax(logits: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                          vocab_size: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    r"""int64 global argmax of vocab-parallel ``logits [..., V_local]``, shape ``logits.shape[:-1]``, one collective.
+
+    .. math::
+
+        \hat y = \min \{\, v < V : x_v = \max_{u < V} x_u \,\}
+
+    (the lowest global id on ties, like ``torch.argmax``; columns at or beyond
+    the true vocabulary size ``V`` are never candidates; a NaN counts as larger
+    than everything). The local pass without its sums, then **one** all-reduce
+    MAX of the int64 keys (see :mod:`.shard`); no collective without a group or
+    without tokens. Identical on every rank of ``group``.
+    """
+    return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=False, kernel=kernel).argmax
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor,
+                            group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None,
+                            ignore_index: int = -100, kernel: Optional[str] = None) -> torch.Tensor:
+    r"""log p(``labels``) under vocab-parallel ``logits [..., V_local]``, shape ``logits.shape[:-1]``, two collectives.
+
+    .. math::
+
+        \log p(y) = x_y - m - \log \sum_{v < V} e^{x_v - m}, \qquad m = \max_{v < V} x_v
+
+    over the true vocabulary ``V`` (padding columns carry no probability).
+    Labels equal to ``ignore_index`` give 0; labels outside ``[0, V)`` give NaN,
+    and so does a token with a non-finite logit. float32 (float64 for float64
+    logits), identical on every rank of ``group``; the entropy of the same pass
+    comes for free with :func:`vocab_parallel_token_stats`.
+    """
+    if labels is None:
+        raise ValueError("vocab_parallel_logprobs needs labels")
+    return _token_stats(logits, labels, group, vocab_size, None, ignore_index, need_sums=True,
+                        kernel=kernel).logprobs
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                           vocab_size: Optional[int] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    r"""Entropy (nats) of the softmax of vocab-parallel ``logits [..., V_local]``, two collectives.
+
+    .. math::
+
+        H = -\sum_{v<V} p_v \log p_v = \log Z - \frac{1}{Z} \sum_{v<V} e^{x_v - m}(x_v - m),
+        \qquad Z = \sum_{v<V} e^{x_v - m}, \quad m = \max_{v<V} x_v
+
+    Both terms are non-negative (:math:`x_v - m \le 0`): no cancellation for
+    large logits. A token with a non-finite logit gets NaN. Shape
+    ``logits.shape[:-1]``, float32 (float64 for float64 logits), identical on
+    every rank of ``group``.
+    """
+    return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=True, kernel=kernel).entropy
+
+
 @torch.no_grad()
 def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
                  vocab_size: Optional[int], chunk_size: Optional[int], ignore_index: int,
@@ -190,7 +246,7 @@ def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Op
         if choose_kernel(kernel, rows) == "triton":
             local_max, local_col = triton_local_pass()(rows, n_valid, local_labels, stats, need_sums)
         else:
-            local_max, local_col = _torch_local_pass(rows, n_valid, local_labels, stats, cdtype, chunk_size,
+            local_max, local_col = torch_local_pass(rows, n_valid, local_labels, stats, cdtype, chunk_size,
                                                      need_sums)
         keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
         local_max = local_max.to(cdtype)
@@ -231,7 +287,7 @@ def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Op
     return TokenStats(argmax, logprobs, restore_layout(entropy, lead_shape, order))
 
 
-def _torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[torch.Tensor],
+def torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[torch.Tensor],
                       stats: Optional[torch.Tensor], cdtype: torch.dtype, chunk_size: Optional[int],
                       need_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The local pass in torch over the real columns ``rows[:, :n_valid]``.
@@ -310,11 +366,11 @@ def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch
 
     if need_sums:
         del work
-    columns = _first_max_column(rows, block_max if width else None, width, chunk_size)
+    columns = first_max_column(rows, block_max if width else None, width, chunk_size)
     return local_max.to(cdtype), columns
 
 
-def _first_max_column(rows: torch.Tensor, block_max: Optional[torch.Tensor], width: int,
+def first_max_column(rows: torch.Tensor, block_max: Optional[torch.Tensor], width: int,
                       chunk_size: int) -> torch.Tensor:
     """First column of each row's maximum (NaN counts as the largest value, like ``torch.argmax``)."""
     n_tokens, n_cols = rows.shape

@@ -2,7 +2,7 @@ r"""The local pass of :func:`~.token_stats.vocab_parallel_token_stats` as one fu
 
 One program per token row of the local shard ``rows [T, V_l]`` reads the row
 once, in blocks of ``BLOCK`` columns (bf16/fp16/fp32 loaded, fp32 arithmetic),
-and writes what the torch loop of :func:`~.token_stats._torch_local_pass`
+and writes what the torch loop of :func:`~.token_stats.torch_local_pass`
 writes: the local maximum :math:`m_r`, its first column, and
 
 .. math::
@@ -54,7 +54,7 @@ takes the lowest column among the lanes holding a NaN if there is one, else
 among those equal to the maximum (:math:`-0.0 = +0.0`, :math:`+\infty`, and an
 all-:math:`-\infty` row, whose argmax is its first column). The returned
 maximum is that column's value (NaN, :math:`\pm\infty` or finite), which is
-what ``amax`` gives: the int64 key of :mod:`._shard` then orders the ranks.
+what ``amax`` gives: the int64 key of :mod:`.shard` then orders the ranks.
 
 Memory: nothing but the ``[T]`` outputs; the shard is read once (plus one
 element per row for the label). Offsets are computed in int64.
@@ -166,7 +166,7 @@ def triton_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[t
                       stats: Optional[torch.Tensor], need_sums: bool, block: Optional[int] = None,
                       num_warps: Optional[int] = None, num_stages: Optional[int] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused local pass over ``rows[:, :n_valid]``; the contract of ``_torch_local_pass``.
+    """The fused local pass over ``rows[:, :n_valid]``; the contract of ``torch_local_pass``.
 
     Returns ``(local_max float32 [T], local_column int64 [T])``; with ``need_sums``
     fills ``stats[0]`` (S0), ``stats[1]`` (S1) and, with ``local_labels`` (label −
