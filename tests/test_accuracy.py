@@ -10,7 +10,7 @@ from guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import Accuracy, Metric, MetricCollection
 from twinkle_megatron.metric.inputs import microbatches, token_mask
-from twinkle_megatron.metric.token_stats import logits_token_stats
+from twinkle_megatron.metric.logits_pass import logits_token_stats
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 12, 50, 56  # Megatron pads the vocabulary to a multiple of TP
 

@@ -137,7 +137,7 @@ def test_metrics_with_different_reduction_groups_are_refused():
 def test_two_metrics_reporting_the_same_key_are_refused():
     collection = MetricCollection([LossMetric(), LossMetric(loss_reduction="sum")])
     collection.accumulate({}, {"loss": 1.0, "num_tokens": 2})  # mean 1.0 against per-token 0.5
-    with pytest.raises(ValueError, match=r"reports \['loss'\], which an earlier metric"):
+    with pytest.raises(ValueError, match=r"reports 'loss', which LossMetric reports too"):
         collection.calculate()
 
 
@@ -180,11 +180,11 @@ class RankRecords(Metric):
     def accumulate(self, inputs, outputs, **kwargs):
         self._add("calls", 1)
 
-    def _local_records(self):
+    def sync_records(self):
         return [("rank", dist.get_rank())] if self.enabled else None
 
     def compute(self, states):
-        return {"records": list(self.gathered_records)} if self.enabled else {"calls": int(states["calls"])}
+        return {"records": list(states.records)} if self.enabled else {"calls": int(states["calls"])}
 
 
 def _records(enabled: bool) -> tuple[dict, dict]:

@@ -9,7 +9,7 @@ import torch
 
 from twinkle_megatron import keys
 from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floating_point_operations
-from twinkle_megatron.tracker import tracker as tracker_module
+from twinkle_megatron.tracker import step_states as tracker_module
 
 ROOT = Path(__file__).resolve().parents[1]
 

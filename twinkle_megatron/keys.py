@@ -53,6 +53,10 @@ MEMORY_OOMS = "memory/ooms"
 
 EVAL_PREFIX = "eval/"
 
+# Reported by instrument()'s metrics (not the tracker's own), an alarm when present: hooks that failed in the
+# interval, on any rank (that interval's metrics are incomplete).
+METRIC_HOOK_FAILURES = "train/metric_hook_failures"
+
 # The smoothed quantities and the key of each one's EMA.
 EMA_OF = {LOSS: LOSS_EMA, TOKENS_PER_SECOND: TOKENS_PER_SECOND_EMA, MFU: MFU_EMA, STEP_TIME: STEP_TIME_EMA}
 

@@ -31,7 +31,7 @@ _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 _SHOWN = {key for key, _, _ in _LINE} | {keys.CONSUMED_TOKENS, keys.TOKENS_PER_SECOND_EMA, keys.MFU_EMA,
                                         keys.STEP_TIME_EMA, "correct_tokens", "total_tokens"}
 _ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_GRAD_NORM_STEPS, keys.LOSS_SPIKE, keys.MEMORY_OOMS,
-           keys.MEMORY_ALLOC_RETRIES)
+           keys.MEMORY_ALLOC_RETRIES, keys.METRIC_HOOK_FAILURES)
 
 
 class StdoutBackend(Backend):

@@ -33,22 +33,34 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from .. import keys
 from ..metric import Accuracy, LogitsMetric, LossMetric, Metric, MetricCollection, TokenStatsMetric
 from ..metric.base import Number, StateValues
-from ..metric.token_stats import logits_token_stats
+from ..metric.logits_pass import logits_token_stats
+from ..parallel import ParallelContext
+from .loss_reports import loss_func_result
 
 
 class MetricHookError(RuntimeError):
     """A metric hook failed during the step on some rank; raised by ``calculate()`` on every rank."""
 
 
-class _HookFailures(Metric):
-    """Counts hook failures on every rank, so that every rank learns of them in the one sync."""
+class HookFailures(Metric):
+    """Counts hook failures on every rank, so that every rank learns of them in the one sync.
+
+    Reports them as data, ``train/metric_hook_failures`` (when > 0), on every
+    rank; :meth:`MegatronInstrumentation.calculate` raises :class:`MetricHookError`
+    for them, a :class:`~twinkle_megatron.MetricsTracker` logs them as an alarm.
+    ``first_failure`` keeps this rank's first message of the interval.
+    """
+
+    every_rank_counts = True  # a failure on any rank counts, whatever its stage
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("failures", "sum")
         self.messages: list[str] = []
+        self.first_failure: Optional[str] = None
 
     def record(self, where: str, error: BaseException) -> None:
         self.messages.append(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
@@ -57,17 +69,10 @@ class _HookFailures(Metric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         pass
 
-    def _counts_here(self) -> bool:
-        return True  # a failure on any rank counts, whatever its stage
-
     def compute(self, states: StateValues) -> dict[str, Number]:
-        failures, messages = int(states["failures"]), self.messages
+        self.first_failure = self.messages[0] if self.messages else None
         self.messages = []
-        if failures:
-            here = messages[0] if messages else "none on this rank; see the log of the failing rank"
-            raise MetricHookError(f"twinkle-megatron: {failures} metric hook failure(s) during the step; the "
-                                  f"step's metrics are incomplete. First failure on this rank: {here}")
-        return {}
+        return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}
 
 
 def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100) -> list[Metric]:
@@ -85,7 +90,8 @@ class MegatronInstrumentation:
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss") -> None:
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index)
-        self._failures = _HookFailures()
+        self._failures = HookFailures()
+        self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
         user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
         self.metrics = MetricCollection([*user_metrics, self._failures])
@@ -125,7 +131,7 @@ class MegatronInstrumentation:
             logits = output[0] if isinstance(output, tuple) else output
             gathered = kwargs.get("runtime_gather_output")
             gathered = getattr(module, "gather_output", False) if gathered is None else gathered
-            context = self._failures.context
+            context = self.context
             stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
                                        self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
             self._captured = {"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats}
@@ -166,7 +172,7 @@ class MegatronInstrumentation:
         return wrapped
 
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any) -> None:
-        loss, num_tokens = _loss_and_tokens(result, self.loss_key)
+        loss, num_tokens = loss_func_result(result, self.loss_key)
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens}
         if captured is not None:
@@ -191,7 +197,7 @@ class MegatronInstrumentation:
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {}
         if logits is not None and labels is not None:
-            stats = logits_token_stats(logits.detach(), labels, self._failures.context, self.vocab_size,
+            stats = logits_token_stats(logits.detach(), labels, self.context, self.vocab_size,
                                        logits_layout, self.ignore_index)
             inputs = {"labels": labels} if loss_mask is None else {"labels": labels, "completion_mask": loss_mask}
             outputs["token_stats"] = stats
@@ -201,10 +207,27 @@ class MegatronInstrumentation:
 
     # ------------------------------------------------------------ results etc.
 
+    @property
+    def context(self) -> ParallelContext:
+        """The parallel layout the hooks compute in: megatron-core's ``parallel_state`` (or the world)."""
+        if self._context is None:
+            self._context = ParallelContext.resolve()
+        return self._context
+
     def calculate(self) -> dict[str, Number]:
-        """The step's metrics, the same on every rank (collective: every rank calls it)."""
+        """The step's metrics, the same on every rank (collective: every rank calls it).
+
+        Raises :class:`MetricHookError` on every rank when a hook failed on any rank
+        during the step (the step's metrics are incomplete).
+        """
         self._captured = None
-        return self.metrics.calculate()
+        results = self.metrics.calculate()
+        failures = results.pop(keys.METRIC_HOOK_FAILURES, 0)
+        if failures:
+            here = self._failures.first_failure or "none on this rank; see the log of the failing rank"
+            raise MetricHookError(f"twinkle-megatron: {failures} metric hook failure(s) during the step; the "
+                                  f"step's metrics are incomplete. First failure on this rank: {here}")
+        return results
 
     def detach(self) -> None:
         """Remove every hook of ours from the model."""
@@ -298,25 +321,3 @@ def _loss_mask_of(loss_func: Callable, captured: Optional[dict]) -> Optional[tor
         if isinstance(value, torch.Tensor) and value.numel() == labels.numel() and value.numel() > 1:
             return value
     return None
-
-
-def _loss_and_tokens(result: Any, loss_key: str) -> tuple[Any, Any]:
-    """``(loss_sum, num_tokens)`` of a Megatron ``loss_func`` result.
-
-    Three values: Megatron-LM's per-token convention, ``reports[loss_key]`` is
-    ``[sum, count]``. Two values (older): ``reports[loss_key]`` is one averaged
-    value, weighted as one token so that values are averaged with equal weight.
-    """
-    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
-        raise ValueError(f"loss_func returned {type(result).__name__}; expected (loss, num_tokens, reports) "
-                         "or (loss, reports)")
-    reports = result[-1] if isinstance(result[-1], dict) else {}
-    report = reports.get(loss_key)
-    if len(result) == 3:
-        if report is not None and isinstance(report, torch.Tensor) and report.numel() == 2:
-            return report[0], report[1]
-        return result[0].detach(), result[1]
-    if isinstance(report, torch.Tensor) and report.numel() == 2:
-        return report[0], report[1]
-    value = report if report is not None else result[0]
-    return (value.detach() if isinstance(value, torch.Tensor) else value), 1

@@ -2,17 +2,18 @@
 
 from .accuracy import Accuracy
 from .base import Metric, StateSpec
-from .collection import MetricCollection, MetricSyncError, calculate_metrics
+from .collection import MetricCollection
 from .completion_reward import CompletionRewardMetric
 from .dpo import DPOMetric
 from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
 from .logits_metric import LogitsMetric
+from .logprob_entropy import TokenStatsMetric
 from .loss import LossMetric
 from .ppo import PPOValueMetric
-from .token_stats_metric import TokenStatsMetric
+from .sync import MetricSyncError, SyncedStates, calculate_metrics
 from .train import TrainMetric
 
-__all__ = ["Metric", "StateSpec", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",
+__all__ = ["Metric", "StateSpec", "SyncedStates", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",
            "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "DPOMetric",
            "PPOMetric", "PPOValueMetric", "EmbeddingMetric", "CompletionRewardMetric", "MetricSyncError"]

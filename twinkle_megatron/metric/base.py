@@ -27,15 +27,17 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, ClassVar, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
+from .inputs import given
+from .sync import SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
 
 Number = Union[int, float]
-StateValues = Mapping[str, Union[float, torch.Tensor]]
+StateValues = SyncedStates  # what compute() receives
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -54,11 +56,6 @@ def _twinkle_metric_base() -> type:
 
 
 _Base = _twinkle_metric_base()
-
-
-def not_given(value: Any) -> bool:
-    """None, or the ``...`` placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``)."""
-    return value is None or value is Ellipsis
 
 
 @dataclass(frozen=True)
@@ -105,8 +102,9 @@ class Metric(_Base):
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
                  **kwargs: Any) -> None:
-        device_mesh = None if not_given(device_mesh) else device_mesh
-        process_group = None if not_given(process_group) else process_group
+        # ``...``: the placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``).
+        device_mesh = device_mesh if given(device_mesh) else None
+        process_group = process_group if given(process_group) else None
         self.device_mesh = device_mesh
         self.process_group = process_group
         self.cp_gathered = cp_gathered
@@ -121,7 +119,6 @@ class Metric(_Base):
             self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
-        self.gathered_records: list = []
 
     # ---------------------------------------------------------------- states
 
@@ -193,18 +190,18 @@ class Metric(_Base):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
-        """Results from the globally reduced states (scalars as floats, others as CPU tensors)."""
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
+        """Results from the globally reduced states (scalars as floats, others as CPU tensors; gathered
+        records in ``states.records``)."""
         raise NotImplementedError
 
+    @syncs_declared_states
     def calculate(self) -> dict[str, Number]:
         """Reduce the states over all ranks, compute the results and reset (Twinkle's semantics).
 
         Collective: every rank calls it and every rank gets the same dict.
         Returns ``{}`` when no rank saw any data.
         """
-        from .collection import calculate_metrics
-
         return calculate_metrics([self])
 
     def reset(self) -> None:
@@ -214,32 +211,43 @@ class Metric(_Base):
             name: torch.full(spec.shape, spec.identity, dtype=torch.float64, device=device)
             for name, spec in self._specs.items()
         }
-        self.gathered_records = []
 
-    # --------------------------------------------------------- sync support
+    # --------------------------------------------------------- the sync protocol (see .sync)
 
-    def _before_sync(self) -> None:
-        """Hook for host-side values that must join the sync (timers); called in calculate()."""
+    every_rank_counts: ClassVar[bool] = False
+    """True for values every rank holds alike or measures itself (timings): then no rank contributes identities."""
 
-    def _local_records(self) -> Optional[list]:
-        """Picklable records to gather from every rank, or None (the default: numbers only).
+    @property
+    def state_specs(self) -> Mapping[str, StateSpec]:
+        """The declared states: name -> shape and reduction."""
+        return self._specs
 
-        A metric that returns a list here costs the collection one extra
-        collective; the records of all ranks whose data counts are in
-        ``self.gathered_records`` when :meth:`compute` runs.
-        """
-        return None
+    def before_sync(self) -> None:
+        """Write host-side values that join the sync (timers) into their states; called by every sync."""
 
-    def _counts_here(self) -> bool:
+    def counts_here(self) -> bool:
         """Whether this rank's states count in the global reduction (see :meth:`ParallelContext.holds_data`)."""
-        return self.context.holds_data(bool(self.cp_gathered))
+        return self.every_rank_counts or self.context.holds_data(bool(self.cp_gathered))
 
-    def _local_states(self) -> dict[str, torch.Tensor]:
+    def sync_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""
-        if self._counts_here():
+        if self.counts_here():
             return self._states
         return {name: torch.full(spec.shape, spec.identity, dtype=torch.float64)
                 for name, spec in self._specs.items()}
+
+    def sync_records(self) -> Optional[list]:
+        """Picklable records to gather from every rank, or None (the default: numbers only).
+
+        A metric that returns a list here costs the sync one extra collective;
+        the records of all ranks whose data counts are in ``states.records``
+        when :meth:`compute` runs.
+        """
+        return None
+
+    def extra_state(self, states: SyncedStates) -> dict[str, Any]:
+        """Host-side entries of :meth:`state_dict`, from the synced states (the same on every rank)."""
+        return {}
 
     # -------------------------------------------------------------- resuming
 
@@ -250,8 +258,6 @@ class Metric(_Base):
         ``calculate()``), so a checkpoint taken under one TP×PP×CP×DP layout
         resumes correctly under any other. Every rank returns the same dict.
         """
-        from .collection import reduced_state_dicts
-
         return reduced_state_dicts([self])[0]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -280,7 +286,7 @@ class Metric(_Base):
     def _is_primary(self) -> bool:
         """The one rank that holds the loaded sums: its data counts, and it is DP and CP rank 0."""
         context = self.context
-        return self._counts_here() and context.dp_rank == 0 and context.cp_rank == 0
+        return context.holds_data(bool(self.cp_gathered)) and context.dp_rank == 0 and context.cp_rank == 0
 
     # ------------------------------------------------------- Twinkle helpers
 
@@ -294,7 +300,7 @@ class Metric(_Base):
         each once. One ``all_gather_object`` over the reduction group.
         """
         context = self.context
-        mine = list(local_results) if self._counts_here() else []
+        mine = list(local_results) if self.counts_here() else []
         if not context.distributed or context.reduce_size == 1:
             return mine
         gathered: list = [None] * context.reduce_size

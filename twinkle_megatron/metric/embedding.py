@@ -147,15 +147,15 @@ class EmbeddingMetric(Metric):
         self._add("loss_weight", weight)
         self._add("nonfinite_losses", (~finite).sum())
 
-    def _local_records(self) -> Optional[list]:
+    def sync_records(self) -> Optional[list]:
         # calculate() time: reading the per-call sums on the host is allowed here.
         return [(call, anchor_sum.tolist(), positive_sum.tolist(), int(anchors), float(positive_similarity))
                 for call, anchor_sum, positive_sum, anchors, positive_similarity in self._calls]
 
-    def _negative_similarity(self) -> tuple[float, int]:
+    def _negative_similarity(self, records: list) -> tuple[float, int]:
         """(Σ over calls of Σ_{i≠j} cos(â_i, p̂_j), number of such pairs), from all ranks' per-call sums."""
         per_call: dict[int, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
-        for call, anchor_sum, positive_sum, anchors, positive_similarity in self.gathered_records:
+        for call, anchor_sum, positive_sum, anchors, positive_similarity in records:
             totals = per_call[call]
             totals[0] = totals[0] + torch.tensor(anchor_sum, dtype=torch.float64)
             totals[1] = totals[1] + torch.tensor(positive_sum, dtype=torch.float64)
@@ -174,7 +174,7 @@ class EmbeddingMetric(Metric):
             results["pos_sim"] = states["pos_sim_sum"] / states["pos_count"]
             results["pos_sim_min"] = states["pos_sim_min"]
             results["pos_sim_max"] = states["pos_sim_max"]
-        negative_sum, negative_pairs = self._negative_similarity()
+        negative_sum, negative_pairs = self._negative_similarity(states.records)
         if negative_pairs > 0:
             results["neg_sim"] = negative_sum / negative_pairs
         if states["loss_weight"] > 0:
@@ -191,10 +191,10 @@ class EmbeddingMetric(Metric):
         self._calls = []
         self._call_count = 0
 
-    def _extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: StateValues) -> dict[str, Any]:
         """The per-call sums of all ranks, merged per call (the state is layout-free)."""
         merged: dict[int, list] = {}
-        for call, anchor_sum, positive_sum, anchors, positive_similarity in self.gathered_records:
+        for call, anchor_sum, positive_sum, anchors, positive_similarity in states.records:
             totals = merged.setdefault(call, [torch.zeros(len(anchor_sum), dtype=torch.float64),
                                               torch.zeros(len(positive_sum), dtype=torch.float64), 0, 0.0])
             totals[0] += torch.tensor(anchor_sum, dtype=torch.float64)

@@ -49,8 +49,8 @@ import torch
 from .base import Metric, Number, StateValues
 from .context_parallel import global_positions, sum_over_context_parallel
 from .inputs import call_value, check_same_shape, given, to_device
+from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
-from .token_stats import check_vocab_size, logits_sequence_dim, logits_token_stats
 
 RECORD_FIELDS = ("kl", "ratio", "logp_new", "logp_old", "token_id", "sequence", "position", "call")
 
@@ -275,7 +275,7 @@ class GRPOMetric(Metric):
         keep = merged[:, 0].topk(min(self.top_k_kl, merged.shape[0])).indices
         self._top_kl = merged[keep]
 
-    def _local_records(self) -> Optional[list]:
+    def sync_records(self) -> Optional[list]:
         if self.top_k_kl <= 0:
             return None
         dp_rank = self.context.dp_rank
@@ -285,11 +285,11 @@ class GRPOMetric(Metric):
             records += [("token", dp_rank, dict(zip(RECORD_FIELDS, row))) for row in rows]
         return records
 
-    def _global_top_kl(self) -> list[dict[str, Number]]:
-        """The top-K records of all ranks, with sequence indices in the global batch."""
+    def _global_top_kl(self, records: list) -> list[dict[str, Number]]:
+        """The top-K of all ranks' ``records``, with sequence indices in the global batch."""
         counts: dict[tuple[int, int], int] = {}
         tokens = []
-        for record in self.gathered_records:
+        for record in records:
             if record[0] == "sequences":
                 _, call, dp_rank, count = record
                 counts[(call, dp_rank)] = max(count, counts.get((call, dp_rank), 0))  # CP ranks agree
@@ -339,7 +339,7 @@ class GRPOMetric(Metric):
         if states["misaligned_arrays"] > 0:
             results["train/misaligned_arrays"] = int(states["misaligned_arrays"])
         if self.top_k_kl > 0 and tokens > 0:
-            records = self._global_top_kl()
+            records = self._global_top_kl(states.records)
             if records:
                 results["_high_kl_records"] = records
         return results
@@ -349,12 +349,12 @@ class GRPOMetric(Metric):
         self._top_kl = None
         self._sequences_per_call = []
 
-    def _extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: StateValues) -> dict[str, Any]:
         """The global top-K tokens so far (sequence indices in the global batch) and the sequences seen."""
         if self.top_k_kl <= 0:
             return {}
-        sequences = sum({(r[1], r[2]): r[3] for r in self.gathered_records if r[0] == "sequences"}.values())
-        return {"top_kl": self._global_top_kl(), "sequences": sequences}
+        sequences = sum({(r[1], r[2]): r[3] for r in states.records if r[0] == "sequences"}.values())
+        return {"top_kl": self._global_top_kl(states.records), "sequences": sequences}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue under any layout: the saved top-K and sequence count become one earlier call of

@@ -6,7 +6,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from .base import Metric, Number, StateValues
 from .inputs import call_value, microbatches, token_mask
-from .token_stats import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
+from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
 
 
 class LogitsMetric(Metric):

@@ -113,10 +113,16 @@ class LossMetric(Metric):
                              "inputs['labels'] to count the tokens")
         return count_tokens(batch, self.ignore_index)
 
+    @staticmethod
+    def pooled_loss(states: StateValues) -> Optional[float]:
+        """Σ loss_sum / Σ weight over the synced states, or None without counted tokens or values."""
+        return states["loss_sum"] / states["weight"] if states["weight"] > 0 else None
+
     def compute(self, states: StateValues) -> dict[str, Number]:
         results: dict[str, Number] = {}
-        if states["weight"] > 0:
-            results["loss"] = states["loss_sum"] / states["weight"]
+        loss = self.pooled_loss(states)
+        if loss is not None:
+            results["loss"] = loss
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
         for name in ("nonfinite_losses", "nonfinite_grad_norms"):

@@ -70,7 +70,9 @@ class TrainMetric(Metric):
         self.gradient_accumulation_steps = call_value("gradient_accumulation_steps", kwargs, outputs,
                                                       self.gradient_accumulation_steps) or 1
 
-    def _before_sync(self) -> None:
+    every_rank_counts = True  # timings and step are the same kind of value on every rank
+
+    def before_sync(self) -> None:
         now = time.time()
         self._assign("elapsed_seconds", now - self.start_time)
         self._assign("interval_seconds", now - self.interval_start_time)
@@ -78,9 +80,6 @@ class TrainMetric(Metric):
             step, accumulation = int(self.step), int(self.gradient_accumulation_steps)
             self._assign("iters", step // accumulation)
             self._assign("interval_iters", (step - self.interval_start_step) / accumulation)
-
-    def _counts_here(self) -> bool:
-        return True  # timings and step are the same kind of value on every rank: all ranks count
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results: dict[str, Number] = {}
@@ -103,7 +102,7 @@ class TrainMetric(Metric):
         if self.step is not None:
             self.interval_start_step = int(self.step)
 
-    def _extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: StateValues) -> dict[str, Any]:
         return {"step": None if self.step is None else int(self.step),
                 "gradient_accumulation_steps": int(self.gradient_accumulation_steps),
                 # The time reduced in the sync (max over ranks): the same on every rank.

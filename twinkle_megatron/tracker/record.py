@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .. import keys
+from ..metric.loss import LossMetric
 from .flops import FlopsCoefficients
 from .step_states import MEMORY_FIELDS
 
@@ -38,8 +39,9 @@ def interval_record(data: Mapping[str, Any], ranks: Mapping[str, Any], setup: Th
     key names from :mod:`twinkle_megatron.keys`):
 
     * ``loss`` = Σ loss sums / Σ loss token counts (Megatron's ``[sum, count]``
-      reports, summed over DP×CP), or the mean of the losses passed as means;
-      non-finite losses are left out and counted in ``train/nonfinite_loss_steps``.
+      reports, summed over DP×CP), or the mean of the losses passed as means
+      (:meth:`LossMetric.pooled_loss`); non-finite losses are left out and the
+      steps that had one counted in ``train/nonfinite_loss_steps``.
     * ``train/nonfinite_loss_steps``, ``train/nonfinite_grad_norm_steps``: max over
       ranks of the steps in which a rank was given a non-finite value.
     * ``grad_norm``, ``train/num_zeros_in_grad``, ``learning rate``: latest value, max over ranks.
@@ -99,10 +101,9 @@ def interval_tokens(data: Mapping[str, Any]) -> int:
 
 
 def _loss(data: Mapping[str, Any], ranks: Mapping[str, Any], record: dict[str, float]) -> None:
-    if data["loss_tokens"] > 0:
-        record[keys.LOSS] = data["loss_sum"] / data["loss_tokens"]
-    elif data["loss_means"] > 0:
-        record[keys.LOSS] = data["loss_mean_sum"] / data["loss_means"]
+    loss = LossMetric.pooled_loss(data)
+    if loss is not None:
+        record[keys.LOSS] = loss
     for state, key in (("nonfinite_loss_steps", keys.NONFINITE_LOSS_STEPS),
                        ("nonfinite_grad_norm_steps", keys.NONFINITE_GRAD_NORM_STEPS)):
         value = ranks[state]

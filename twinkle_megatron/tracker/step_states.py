@@ -1,13 +1,15 @@
 """The tracker's per-step device values, as two metrics that join the collection's one sync.
 
 The tracker issues no collective of its own: at a log step its two metrics are
-reduced together with the user's metrics by one ``calculate_metrics`` call
-(one SUM and one MAX all-reduce in total).
+synced together with the user's metrics (:func:`~twinkle_megatron.metric.sync.sync`:
+one MAX and one SUM all-reduce in total), and the tracker builds its record from
+their synced states (``record.py``).
 
-* :class:`StepDataStates` -- what the data says (loss, real tokens, packed
-  sequence lengths). Counted once per data-parallel × context-parallel
-  coordinate: only the last pipeline stage and TP rank 0 contribute (the
-  ``Metric`` default), so TP duplicates and earlier stages never count twice.
+* :class:`StepDataStates` -- what the data says: the loss (a
+  :class:`~twinkle_megatron.LossMetric`, the one place losses are pooled),
+  real tokens, packed sequence lengths. Counted once per data-parallel ×
+  context-parallel coordinate: only the last pipeline stage and TP rank 0
+  contribute, so TP duplicates and earlier stages never count twice.
 * :class:`RankStates` -- what each rank measures (its step time, its memory,
   the non-finite values it saw, the latest grad norm and learning rate).
   Every rank contributes; reduced by max, except the per-rank step times,
@@ -15,32 +17,30 @@ reduced together with the user's metrics by one ``calculate_metrics`` call
   zero except at their own rank's slot gives every rank's exact time, which
   min, max and the slowest rank are read from; 8 bytes per rank per log).
 
-Both keep their reduced states in ``reduced`` and return ``{}`` from
-``compute``: the tracker composes the record (see ``record.py``).
+Both report nothing from ``compute``: the tracker composes the record.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from ..metric.base import Metric, StateValues
-from .memory import MemorySnapshot
+from ..metric.loss import LossMetric
+from .memory import read_device_memory
+from .timer import StepTimer
 
 Value = Union[torch.Tensor, float, int]
 
 
-class StepDataStates(Metric):
+class StepDataStates(LossMetric):
     """Loss, real tokens and packed-sequence statistics, summed over steps and DP×CP ranks.
 
-    States (all ``sum``):
-        ``loss_sum``, ``loss_tokens``: Megatron-LM ``[sum, count]`` loss reports
-            (finite ones only): loss = Σ loss_sum / Σ loss_tokens.
-        ``loss_mean_sum``, ``loss_means``: losses passed as means (finite ones):
-            loss = Σ means / number of means.
+    States: the :class:`~twinkle_megatron.LossMetric` ones (the loss: Megatron's
+    ``[sum, count]`` reports pooled by tokens, means with equal weight), and (all ``sum``)
         ``tokens``: real (unpadded) tokens.
         ``sequence_tokens``, ``sequence_squares``: Σ sᵢ and Σ sᵢ² of packed
             sequence lengths, for FLOPs (added on CP rank 0 only: the lengths
@@ -49,43 +49,8 @@ class StepDataStates(Metric):
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None) -> None:
         super().__init__(device_mesh, process_group)
-        for name in ("loss_sum", "loss_tokens", "loss_mean_sum", "loss_means", "tokens", "sequence_tokens",
-                     "sequence_squares"):
+        for name in ("tokens", "sequence_tokens", "sequence_squares"):
             self.add_state(name, "sum")
-        self.reduced: dict[str, Any] = {}
-
-    def add_loss(self, reports: Sequence[Value]) -> tuple[Value, Optional[Value]]:
-        """Add loss reports: 2-element ``[sum, count]`` tensors or scalar means.
-
-        Returns (1.0 if any report was non-finite else 0.0, the total count of
-        the ``[sum, count]`` reports or None), as device tensors or floats:
-        never read on the host here.
-        """
-        nonfinite_flags: list[Union[torch.Tensor, bool]] = []
-        count: Optional[Value] = None
-        for report in reports:
-            if isinstance(report, torch.Tensor) and report.numel() == 2:
-                loss_sum, loss_count = report.detach().reshape(2).to(torch.float64).unbind()
-                finite = torch.isfinite(loss_sum)
-                self._add("loss_sum", torch.where(finite, loss_sum, torch.zeros_like(loss_sum)))
-                self._add("loss_tokens", torch.where(finite, loss_count, torch.zeros_like(loss_count)))
-                count = loss_count if count is None else count + loss_count
-                nonfinite_flags.append(~finite)
-            elif isinstance(report, torch.Tensor) and report.numel() == 1:
-                mean = report.detach().reshape(()).to(torch.float64)
-                finite = torch.isfinite(mean)
-                self._add("loss_mean_sum", torch.where(finite, mean, torch.zeros_like(mean)))
-                self._add("loss_means", finite)
-                nonfinite_flags.append(~finite)
-            elif isinstance(report, numbers.Real):
-                finite = math.isfinite(report)
-                self._add("loss_mean_sum", float(report) if finite else 0.0)
-                self._add("loss_means", 1.0 if finite else 0.0)
-                nonfinite_flags.append(not finite)
-            else:
-                raise ValueError(f"a loss must be a scalar mean or a [sum, count] pair, got "
-                                 f"{type(report).__name__} of shape {tuple(getattr(report, 'shape', ()))}")
-        return any_flag(nonfinite_flags), count
 
     def add_tokens(self, tokens: Value) -> None:
         self._add("tokens", tokens)
@@ -102,17 +67,7 @@ class StepDataStates(Metric):
             self._add("sequence_squares", float(sum(int(length) ** 2 for length in lengths)))
 
     def compute(self, states: StateValues) -> dict:
-        self.reduced = dict(states)
         return {}
-
-
-def any_flag(flags: Sequence[Union[torch.Tensor, bool]]) -> Value:
-    """1.0 if any flag is set, else 0.0; a device tensor when any flag is one (never read here)."""
-    host = 1.0 if any(flag is True for flag in flags) else 0.0
-    tensors = [flag.reshape(()).to(torch.float64) for flag in flags if isinstance(flag, torch.Tensor)]
-    if not tensors:
-        return host
-    return torch.stack([t.to(tensors[0].device) for t in tensors]).max().clamp(min=host)
 
 
 MEMORY_FIELDS = ("allocated_gib", "peak_allocated_gib", "reserved_gib", "peak_reserved_gib", "total_gib",
@@ -133,8 +88,11 @@ class RankStates(Metric):
         ``memory_*`` (max): this rank's memory at the log step (-inf: no device).
     """
 
-    def __init__(self, world_size: int, device_mesh: Any = None, process_group: Any = None) -> None:
+    every_rank_counts = True  # timings and memory of every rank count
+
+    def __init__(self, world_size: int, timer: StepTimer, device_mesh: Any = None, process_group: Any = None) -> None:
         super().__init__(device_mesh, process_group)
+        self.timer = timer
         self.add_state("steps", "max")
         self.add_state("interval_seconds_by_rank", "sum", shape=(world_size,))
         for name in ("nonfinite_loss_steps", "nonfinite_grad_norm_steps", "grad_norm", "learning_rate",
@@ -142,7 +100,6 @@ class RankStates(Metric):
             self.add_state(name, "max")
         self.world_size = world_size
         self._steps = 0  # host-side twin of ``steps``: counting on the host costs nothing
-        self.reduced: dict[str, Any] = {}
 
     def add_step(self, nonfinite_loss: Value, grad_norm: Optional[Value], learning_rate: Optional[Value],
                  num_zeros_in_grad: Optional[Value]) -> None:
@@ -165,23 +122,21 @@ class RankStates(Metric):
         self._maximum(name, 0.0)
         self._add(name, flag)
 
-    def set_interval(self, rank_index: int, seconds: float, memory: Optional[MemorySnapshot]) -> None:
-        """Host values of the interval, set just before the sync."""
+    def before_sync(self) -> None:
+        """The interval's host values: steps, this rank's step time (one device sync on GPU), its memory."""
         self._assign("steps", float(self._steps))
         by_rank = torch.zeros(self.world_size, dtype=torch.float64)
-        by_rank[rank_index] = seconds
+        context = self.context
+        by_rank[dist.get_rank(context.reduce_group) if context.distributed else 0] = sum(self.timer.collect())
         self._assign("interval_seconds_by_rank", by_rank)
+        memory = read_device_memory()
         if memory is not None:
             for field in MEMORY_FIELDS:
                 self._assign(f"memory_{field}", float(getattr(memory, field)))
-
-    def _local_states(self) -> dict[str, torch.Tensor]:
-        return self._states  # timings and memory of every rank count
 
     def reset(self) -> None:
         super().reset()
         self._steps = 0
 
     def compute(self, states: StateValues) -> dict:
-        self.reduced = dict(states)
         return {}

@@ -3,8 +3,8 @@
 Per step (``end_step``) the tracker only records device values into two
 internal metrics (no host sync, no collective). At a log step (step 1, every
 ``log_interval`` steps, and the last step at ``close()``) it reduces them
-together with the user's metrics in ONE ``calculate_metrics`` call (one SUM and
-one MAX all-reduce in total), builds the record (``record.py``, keys in
+together with the user's metrics in ONE sync (``metric/sync.py``: one MAX and
+one SUM all-reduce in total), builds the record (``record.py``, keys in
 ``twinkle_megatron.keys``), smooths it, and hands it to the logging backends on
 one rank. Every rank gets the same record back.
 
@@ -37,11 +37,13 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging import Backend, MetricsLogger, build_backend
+from ..megatron.loss_reports import accumulate_loss_values, loss_values
 from ..metric.base import Metric
-from ..metric.collection import MetricCollection, calculate_metrics, same_value
+from ..metric.collection import MetricCollection
+from ..metric.sync import calculate_metrics, calculate_with_states, merge_results
 from ..parallel import ParallelContext
 from .flops import flops_coefficients, num_floating_point_operations
-from .memory import read_device_memory, reset_peak_memory
+from .memory import reset_peak_memory
 from .peak import PRECISIONS, current_device_name, fp8_autocast_active, peak_tflops
 from .record import ThroughputSetup, interval_record, interval_steps, interval_tokens
 from .run_config import build_run_config
@@ -180,7 +182,7 @@ class MetricsTracker:
         nonfinite_loss: Any = 0.0
         loss_tokens = None
         if loss is not None:
-            nonfinite_loss, loss_tokens = data.add_loss(self._loss_reports(loss))
+            nonfinite_loss, loss_tokens = accumulate_loss_values(data, loss_values(loss, self.loss_key))
         local_tokens = _real_tokens(tokens, loss_mask, labels, self.ignore_index)
         local_tokens = local_tokens if local_tokens is not None else loss_tokens
         if local_tokens is not None:
@@ -216,24 +218,25 @@ class MetricsTracker:
         self._pending_steps = 0
         context = self._context()
         data, ranks = self._states()
-        ranks.set_interval(_rank_index(context), sum(self.timer.collect()), read_device_memory())
-        results = calculate_metrics([*self.user_metrics, data, ranks])  # the one sync
+        results, synced = calculate_with_states([*self.user_metrics, data, ranks])  # the one sync
+        data_states, rank_states = synced[-2], synced[-1]
         reset_peak_memory()
         setup = ThroughputSetup(world_size=context.reduce_size, flops_per_step=self.flops_per_step,
                                 flops_coefficients=self._coefficients, peak_tflops=self._peak_tflops())
-        record = interval_record(data.reduced, ranks.reduced, setup)
+        record = interval_record(data_states, rank_states, setup)
         if keys.SLOWEST_RANK in record and context.distributed and context.reduce_group is not None:
             record[keys.SLOWEST_RANK] = dist.get_global_rank(context.reduce_group, record[keys.SLOWEST_RANK])
-        tokens = interval_tokens(data.reduced)
+        tokens = interval_tokens(data_states)
         self.consumed_tokens += tokens
         if tokens > 0 or self.consumed_tokens > 0:
             record[keys.CONSUMED_TOKENS] = self.consumed_tokens
-        clashes = sorted(key for key in set(results) & set(record) if not same_value(results[key], record[key]))
-        if clashes:
-            raise ValueError(f"metrics passed to MetricsTracker report {clashes}, which the tracker reports too; "
-                             "give that value to the metric or to end_step, not to both")
-        record.update(results)
-        self._smooth(record, interval_steps(ranks.reduced))  # after the merge: a LossMetric's loss too
+        # A value given to end_step and to a metric too must agree, or one would hide the other.
+        record = merge_results([("MetricsTracker (end_step's values)", record), ("the tracker's metrics", results)])
+        self._smooth(record, interval_steps(rank_states))  # after the merge: a LossMetric's loss too
+        if record.get(keys.METRIC_HOOK_FAILURES):
+            self._warn_once("hook failures", f"{record[keys.METRIC_HOOK_FAILURES]} metric hook failure(s) at step "
+                                             f"{step}: that interval's metrics are incomplete (logged as "
+                                             f"{keys.METRIC_HOOK_FAILURES}); instrument().calculate() raises them")
         self.last_record = record
         self.logger.log(record, step)
         return record
@@ -336,28 +339,8 @@ class MetricsTracker:
         if self._data is None:
             self._data = StepDataStates(self.device_mesh, self.process_group)
             world_size = self._data.context.reduce_size
-            self._ranks = RankStates(world_size, self.device_mesh, self.process_group)
+            self._ranks = RankStates(world_size, self.timer, self.device_mesh, self.process_group)
         return self._data, self._ranks
-
-    def _loss_reports(self, loss: LossInput) -> list[Any]:
-        """Megatron-LM's loss dict(s), or plain values, as a list of ``[sum, count]`` pairs or means."""
-        items = list(loss) if isinstance(loss, (list, tuple)) else [loss]
-        return [self._main_loss(item) if isinstance(item, Mapping) else item for item in items]
-
-    def _main_loss(self, report: Mapping[str, Any]) -> Any:
-        if self.loss_key in report:
-            key = self.loss_key
-        elif len(report) == 1:
-            key = next(iter(report))
-        else:
-            raise ValueError(f"the loss dict has keys {sorted(report)}, none of them loss_key={self.loss_key!r}")
-        if len(report) > 1:
-            self._warn_once("loss keys", f"only {key!r} of the loss dict keys {sorted(report)} is tracked; "
-                                         "track others with metrics=")
-        value = report[key]
-        if isinstance(value, (list, tuple)):  # [sum, count] as a list
-            return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in value])
-        return value
 
     def _note_precision(self) -> None:
         if self.precision == "auto" and not self._fp8_seen and fp8_autocast_active():
@@ -398,8 +381,3 @@ def _real_tokens(tokens: Any, loss_mask: Optional[torch.Tensor], labels: Optiona
         return (labels != ignore_index).sum()
     return None
 
-
-def _rank_index(context: ParallelContext) -> int:
-    if not context.distributed:
-        return 0
-    return dist.get_rank(context.reduce_group)
