@@ -537,3 +537,22 @@ def test_tensorboard_restart_from_scratch_supersedes_every_loader_sees_it(tmp_pa
     tensors = multiplexer.GetAccumulator(".").Tensors("loss")
     assert [(e.step, e.tensor_proto.float_val[0]) for e in tensors] == [(1, 21.0), (2, 22.0), (3, 23.0)]
     assert all(math.isfinite(e.value) for e in events.Scalars("perf/step_time"))
+
+
+@needs("mlflow")
+def test_mlflow_run_id_recorded_for_another_store_starts_a_new_run(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    _environment(monkeypatch, tmp_path)
+    first_uri, second_uri = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    tracker = MetricsTracker(log_interval=1, log_dir=str(tmp_path), backends=[MlflowBackend(tracking_uri=first_uri)])
+    tracker.end_step(1, loss=1.0)
+    tracker.close()
+    resumed = MetricsTracker(log_interval=1, log_dir=str(tmp_path), backends=[MlflowBackend(tracking_uri=second_uri)])
+    resumed.load_state_dict(tracker.state_dict())
+    with pytest.warns(RuntimeWarning, match="is not in this tracking store; starting a new run"):
+        resumed.end_step(2, loss=2.0)
+    resumed.close()
+    client = MlflowClient(tracking_uri=second_uri)
+    (run,) = client.search_runs(["0"])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(2, 2.0)]
