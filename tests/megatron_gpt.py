@@ -214,8 +214,24 @@ def _build_chunk(spec: GPTSpec, config: TransformerConfig, layer_spec_fn: Callab
         position_embedding_type="learned_absolute",
         vp_stage=stage,
     )
+    _label_gated_fc1(model, config)
     load_layout_independent_weights(model, spec)
     return model
+
+
+def _label_gated_fc1(model: GPTModel, config: TransformerConfig) -> None:
+    """Mark a gated fc1 ``[gate; up]`` with its stride 2 where megatron-core does not.
+
+    Every release lays the gated fc1 out the same way on a TP rank (``[gate_r; up_r]``: the MLP
+    chunks its local output in two), but only 0.16 and later label it ``partition_stride=2``;
+    earlier ones leave the default 1. Labelling it here lets ``tp_shard`` read one layout.
+    """
+    if not config.gated_linear_unit:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.linear_fc1." in f".{name}" and getattr(param, "tensor_model_parallel", False) \
+                and getattr(param, "partition_stride", 1) == 1:
+            param.partition_stride = 2
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:
@@ -339,6 +355,10 @@ class _GatherSequence(torch.autograd.Function):
         return grad.index_select(0, ctx.local), None
 
 
+# megatron-core 0.15 and later pass process groups as ``pg_collection``; 0.13 and 0.14 take none.
+_ACCEPTS_PG_COLLECTION = "pg_collection" in inspect.signature(DotProductAttention.__init__).parameters
+
+
 class GatherContextParallelAttention(DotProductAttention):
     """Test-only context-parallel core attention for the local layer spec.
 
@@ -352,7 +372,9 @@ class GatherContextParallelAttention(DotProductAttention):
     def __init__(self, config: TransformerConfig, *args: Any, pg_collection=None, **kwargs: Any):
         local_config = copy.copy(config)
         local_config.context_parallel_size = 1  # DotProductAttention asserts it
-        super().__init__(local_config, *args, pg_collection=pg_collection, **kwargs)
+        if _ACCEPTS_PG_COLLECTION:
+            kwargs["pg_collection"] = pg_collection
+        super().__init__(local_config, *args, **kwargs)
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         self.cp_group = cp if cp is not None else parallel_state.get_context_parallel_group()
 

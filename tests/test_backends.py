@@ -447,15 +447,19 @@ def test_swanlab_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, 
 
 
 def _wandb_training(log_dir: str) -> str:
-    tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=log_dir)
-    tracker.end_step(1, loss=1.0)
-    tracker.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a disabled backend fails the test
+        tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=log_dir)
+        tracker.end_step(1, loss=1.0)
+        tracker.close()
     with open(os.path.join(log_dir, "run_ids.json")) as file:
         return json.load(file)["wandb"]
 
 
 @needs("wandb")
 def test_wandb_fresh_runs_get_fresh_ids_and_a_requeued_job_keeps_its_id(tmp_path, monkeypatch):
+    import wandb
+
     _environment(monkeypatch, tmp_path)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     first = _wandb_training(str(tmp_path / "a"))
@@ -463,7 +467,10 @@ def test_wandb_fresh_runs_get_fresh_ids_and_a_requeued_job_keeps_its_id(tmp_path
     assert first != second and "4242" not in (first, second)
     time.sleep(1.1)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the job was requeued before its first checkpoint
+    monkeypatch.setenv("WANDB_RESUME", "allow")  # what job scripts export; W&B refuses it with a rewind
+    wandb.teardown()  # W&B reads the environment once per process: as in a new job, read it again
     assert _wandb_training(str(tmp_path / "a")) == second
+    assert os.environ["WANDB_RESUME"] == "allow"
     history, _ = wandb_visible_history(str(tmp_path / "a"), second)
     assert history["loss"] == {1: 1.0}, "rewound to step 0: step 1 once"
 
@@ -537,3 +544,22 @@ def test_tensorboard_restart_from_scratch_supersedes_every_loader_sees_it(tmp_pa
     tensors = multiplexer.GetAccumulator(".").Tensors("loss")
     assert [(e.step, e.tensor_proto.float_val[0]) for e in tensors] == [(1, 21.0), (2, 22.0), (3, 23.0)]
     assert all(math.isfinite(e.value) for e in events.Scalars("perf/step_time"))
+
+
+@needs("mlflow")
+def test_mlflow_run_id_recorded_for_another_store_starts_a_new_run(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    _environment(monkeypatch, tmp_path)
+    first_uri, second_uri = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    tracker = MetricsTracker(log_interval=1, log_dir=str(tmp_path), backends=[MlflowBackend(tracking_uri=first_uri)])
+    tracker.end_step(1, loss=1.0)
+    tracker.close()
+    resumed = MetricsTracker(log_interval=1, log_dir=str(tmp_path), backends=[MlflowBackend(tracking_uri=second_uri)])
+    resumed.load_state_dict(tracker.state_dict())
+    with pytest.warns(RuntimeWarning, match="is not in this tracking store; starting a new run"):
+        resumed.end_step(2, loss=2.0)
+    resumed.close()
+    client = MlflowClient(tracking_uri=second_uri)
+    (run,) = client.search_runs(["0"])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(2, 2.0)]

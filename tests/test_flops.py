@@ -50,7 +50,8 @@ def test_moe_with_shared_experts_and_mtp_matches_hand_computation():
     config = TransformerConfig(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=1024, gated_linear_unit=True, num_moe_experts=8, moe_router_topk=2,
                                moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=256,
-                               moe_layer_freq=[0, 1, 1, 1], mtp_num_layers=1)
+                               moe_layer_freq=[0, 1, 1, 1], mtp_num_layers=1,
+                               add_bias_linear=False)  # megatron-core < 0.15 refuses biases in MoE layers
     # Layers: pattern [0, 1, 1, 1] has 3 MoE layers; the last layer is MoE, so the
     # MTP layer is too: 4 MoE, 1 dense, 5 attention layers.
     # Attention (kv_channels 64: Q = 256, K = V = 128), per layer and token:
@@ -67,7 +68,7 @@ def test_moe_with_shared_experts_and_mtp_matches_hand_computation():
 def test_moe_counts_routed_experts_not_the_dense_ffn():
     # KempnerForge's bug: fine-grained experts counted at the dense FFN size.
     common = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=4096, num_moe_experts=64,
-                  moe_router_topk=4)
+                  moe_router_topk=4, add_bias_linear=False)  # megatron-core < 0.15 refuses biases in MoE layers
     fine = TransformerConfig(**common, moe_ffn_hidden_size=128)
     coarse = TransformerConfig(**common, moe_ffn_hidden_size=4096)
     per_token_difference = 6 * 256 * (4096 - 128) * 4 * 2 * 2  # 6·h·Δffn·top-k·2 GEMMs·2 layers

@@ -20,8 +20,8 @@ number of GPUs, and replaces itself with::
 * ``--resume`` is added when Slurm restarted the job (``SLURM_RESTART_COUNT`` > 0:
   a requeue after preemption or the time limit) or when asked for. The run name
   defaults to ``JOBNAME-JOBID``; a requeued job keeps its id, hence its run
-  directory, its checkpoint and its W&B run (the W&B backend uses
-  ``$SLURM_JOB_ID`` as the run id).
+  directory, its checkpoint and its W&B run (whose id the W&B backend records
+  in the run directory).
 
 ``--dry-run`` prints the command instead of running it. The training script
 must accept ``--tp``, ``--pp``, ``--vpp`` (when given), ``--cp`` (when > 1),

@@ -89,6 +89,10 @@ class MlflowBackend(Backend):
         else:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
             run_id = self.run_id or (recall_run_id(run.log_dir, self.name) if run.continues else None)
+            if run_id is not None and self.run_id is None and not self._exists(run_id):
+                warnings.warn(f"MLflow run {run_id} recorded in {run.log_dir} is not in this tracking store; "
+                              "starting a new run", RuntimeWarning, stacklevel=2)
+                run_id = None
             if run_id is not None:
                 run_id = self._reopen(self._follow(run_id), run.first_step)
             else:
@@ -147,6 +151,15 @@ class MlflowBackend(Backend):
             return os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
         experiment = self._client.get_experiment_by_name(name)
         return experiment.experiment_id if experiment is not None else self._client.create_experiment(name)
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
 
     def _follow(self, run_id: str) -> str:
         """A run superseded by an earlier resume is followed to the run that replaced it."""

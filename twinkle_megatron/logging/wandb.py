@@ -22,8 +22,9 @@ user's ``config``) goes to the run's config once.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from .base import Backend, RunStart
 from .run_ids import recall_run_id, remember_run_id
@@ -69,7 +70,8 @@ class WandbBackend(Backend):
         options.update(self.init_kwargs)
         if options.get("dir"):
             os.makedirs(options["dir"], exist_ok=True)
-        self._run = wandb.init(**{key: value for key, value in options.items() if value is not None})
+        with _rewind_over_resume_env("resume_from" in options):
+            self._run = wandb.init(**{key: value for key, value in options.items() if value is not None})
         self._owned = True
         remember_run_id(run.log_dir, self.name, self._run.id)
 
@@ -88,3 +90,19 @@ class WandbBackend(Backend):
             except Exception:  # noqa: BLE001 - already failing
                 pass
         self._run = None
+
+
+@contextlib.contextmanager
+def _rewind_over_resume_env(rewinding: bool) -> Iterator[None]:
+    """Hide ``$WANDB_RESUME`` from ``wandb.init`` while rewinding.
+
+    Job scripts often export ``WANDB_RESUME=allow``; W&B refuses ``resume`` together
+    with ``resume_from`` (they are mutually exclusive), so the rewind, which is the
+    resume done right, would disable the backend. Restored right after the call.
+    """
+    saved = os.environ.pop("WANDB_RESUME", None) if rewinding else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["WANDB_RESUME"] = saved
