@@ -469,7 +469,7 @@ def section_sweep(device: torch.device, tokens: int, vocab: int, repeats: int, c
 
 def summarise_train_log(path: Path) -> dict:
     """What the tracker logged: median step time (records after the first), throughput, MFU, memory, loss."""
-    from twinkle_megatron.cli import load_run
+    from twinkle_megatron.logging.runlog import load_run
 
     log = load_run(str(path))
     records = log.records

@@ -244,7 +244,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                   f"checkpoint; --resume continues from step {step + 1}", flush=True)
         return
     if dist.get_rank() == 0:
-        from twinkle_megatron.cli import format_summary, load_run
+        from twinkle_megatron.cli import format_summary
+        from twinkle_megatron.logging.runlog import load_run
 
         print("\n" + format_summary(load_run(log_path)), flush=True)
 

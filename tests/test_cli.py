@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from twinkle_megatron.cli import load_run, main
+from twinkle_megatron.cli import main
+from twinkle_megatron.logging.runlog import load_run
 from twinkle_megatron.tracker import MetricsTracker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 from . import keys
 
 if TYPE_CHECKING:
-    from .cli import RunLog
+    from .logging.runlog import RunLog
 
 MARKERS_UP_TO = 40  # points per series; fewer get markers, so a short run is more than a bare line
 
