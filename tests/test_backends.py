@@ -82,7 +82,7 @@ def _attempt(run_dir: str, tracking_uri: str, steps: range, loss_offset: float, 
     """One job: the tracker with every backend, a TrainMetric with two parameter groups (Twinkle's keys)."""
     train = TrainMetric()
     tracker = MetricsTracker(log_interval=1, metrics=[train], backends=_backends(run_dir, tracking_uri),
-                             log_dir=run_dir, config={"optimizer": {"name": "adam", "lr": 1e-3}, "seed": 7})
+                             log_dir=run_dir, run_config={"optimizer": {"name": "adam", "lr": 1e-3}, "seed": 7})
     if checkpoint is not None:
         tracker.load_state_dict(checkpoint["tracker"])
         train.load_state_dict(checkpoint["train"])
@@ -388,7 +388,7 @@ def test_wandb_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, mo
     _environment(monkeypatch, tmp_path)
     user_run = wandb.init(project="mine", dir=str(tmp_path), config={"mine": 1})
     try:
-        tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=str(tmp_path), config={"seed": 3})
+        tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=str(tmp_path), run_config={"seed": 3})
         for step in (1, 2, 3):
             tracker.end_step(step, loss=float(step))
         tracker.close()

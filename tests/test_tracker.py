@@ -287,3 +287,28 @@ def test_gpu_timing_reads_events_once_per_interval(monkeypatch):
     assert FakeCudaEvent.synchronized == 1 and len(durations) == 3
     assert 0.02 <= durations[1] < 0.2 and 0.01 <= durations[2] < 0.2
     assert timer.collect() == [] and FakeCudaEvent.synchronized == 1
+
+
+@pytest.mark.parametrize("field, value", [("log_interval", 0), ("log_interval", 2.5), ("precision", "fp4"),
+                                          ("ema_alpha", 0.0), ("spike_threshold", -1.0), ("writer_rank", -1),
+                                          ("seq_length", 0), ("backends", ("stdout", "nope"))])
+def test_tracker_config_refuses_bad_values_naming_the_field(field, value):
+    from twinkle_megatron import TrackerConfig
+
+    with pytest.raises(ValueError, match=f"TrackerConfig.{field} must be"):
+        TrackerConfig(**{field: value})
+    with pytest.raises(ValueError, match=f"TrackerConfig.{field} must be"):
+        MetricsTracker(**{field: value})
+
+
+def test_tracker_config_and_keywords_are_the_same_tracker():
+    from twinkle_megatron import TrackerConfig
+
+    config = TrackerConfig(log_interval=3, backends=(), ema_alpha=0.5, run_config={"seed": 1})
+    by_config, by_keywords = MetricsTracker(config), MetricsTracker(log_interval=3, backends=(), ema_alpha=0.5,
+                                                                      run_config={"seed": 1})
+    assert by_config.config == by_keywords.config == config
+    overridden = MetricsTracker(config, log_interval=5)
+    assert overridden.config.log_interval == 5 and overridden.config.ema_alpha == 0.5
+    with pytest.raises(ValueError, match="model_config needs padded_vocab_size"):
+        TrackerConfig(model_config=object())

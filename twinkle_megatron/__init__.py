@@ -18,10 +18,11 @@ from .metric import (
     TrainMetric,
 )
 from .parallel import ParallelContext
-from .tracker import MetricsTracker
+from .tracker import MetricsTracker, TrackerConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric",
            "GSPOMetric", "CISPOMetric", "PPOMetric", "PPOValueMetric", "DPOMetric", "EmbeddingMetric",
-           "CompletionRewardMetric", "ParallelContext", "MetricsTracker", "MetricSyncError", "__version__"]
+           "CompletionRewardMetric", "ParallelContext", "MetricsTracker", "TrackerConfig", "MetricSyncError",
+           "__version__"]

@@ -29,6 +29,7 @@ Typical use with Megatron-LM::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -36,15 +37,16 @@ import torch
 import torch.distributed as dist
 
 from .. import keys
-from ..logging import Backend, MetricsLogger, build_backend
+from ..logging import MetricsLogger, build_backend
 from ..megatron.loss_reports import accumulate_loss_values, loss_values
 from ..metric.base import Metric
 from ..metric.collection import MetricCollection
 from ..metric.sync import calculate_metrics, calculate_with_states, merge_results
 from ..parallel import ParallelContext
+from .config import TrackerConfig
 from .flops import flops_coefficients, num_floating_point_operations
 from .memory import reset_peak_memory
-from .peak import PRECISIONS, current_device_name, fp8_autocast_active, peak_tflops
+from .peak import current_device_name, fp8_autocast_active, peak_tflops
 from .record import ThroughputSetup, interval_record, interval_steps, interval_tokens
 from .run_config import build_run_config
 from .smoothing import ExponentialMovingAverages, is_loss_spike
@@ -57,75 +59,45 @@ LossInput = Union[torch.Tensor, float, Mapping[str, Any], Sequence[Any]]
 class MetricsTracker:
     """Training-step metrics for Megatron (or any) training loops, synced with the metric collection.
 
+    ``MetricsTracker(config, metrics=..., device_mesh=..., process_group=...)``
+    with a :class:`TrackerConfig` (every setting, documented and validated
+    there), or the same settings as keywords, a thin convenience::
+
+        MetricsTracker(TrackerConfig(log_interval=10, backends=("stdout", "wandb")), metrics=collection)
+        MetricsTracker(log_interval=10, backends=("stdout", "wandb"), metrics=collection)   # the same
+
+    Keywords given with a ``config`` override its fields.
+
     Args:
-        log_interval: log at step 1 and at every multiple of this.
+        config: the settings (:class:`TrackerConfig`).
         metrics: a :class:`MetricCollection` or metrics whose results join each
             log record, reduced in the same sync (their keys must not clash
             with the tracker's).
-        model_config: a megatron-core ``TransformerConfig`` (or an object with its
-            field names) for Megatron-LM's FLOPs; with ``padded_vocab_size``, and
-            either ``seq_length`` and ``global_batch_size`` (FLOPs per step fixed,
-            as Megatron-LM computes them) or per-step ``seq_lengths`` (packed).
-        flops_per_step: global FLOPs of one step, instead of ``model_config``.
-        peak_tflops: dense peak TFLOP/s per GPU, overriding the device table.
-        precision: ``"bf16"``, ``"fp16"``, ``"fp8"`` or ``"auto"`` (FP8 when
-            ``model_config.fp8`` is set or Transformer Engine's FP8 autocast is
-            active at a step boundary, else BF16): which peak MFU is against.
-        device_name: the device to look the peak up for (default: the current
-            CUDA device; none on CPU, so no MFU there).
-        ema_alpha: per-step smoothing factor of the EMAs (``train/loss_ema``,
-            ``perf/tokens_per_second_ema``, ``perf/mfu_ema``, ``perf/step_time_ema``); an
-            interval of n steps is folded in at a log step with the weight of n steps,
-            ``1 − (1 − α)^n``.
-        spike_threshold: ``train/loss_spike`` is 1 when loss > (1 + threshold) · the loss EMA.
-        backends: names (``stdout``, ``jsonl``, ``tensorboard``, ``wandb``,
-            ``swanlab``, ``mlflow``) or :class:`Backend` objects; files go under ``log_dir``.
-        config: the user's run configuration (hyperparameters...), logged once to
-            every backend with the tracker's own (layout, model shape, batch,
-            FLOPs, versions; see ``run_config.py``).
-        writer_rank: the global rank that writes (default 0).
         device_mesh, process_group: the parallel layout, as for every metric
             (default: megatron-core's parallel_state, else the world).
-        ignore_index: label value of padding when tokens are counted from ``labels``.
-        loss_key: the key of the main loss in Megatron-LM's loss dicts.
+        **settings: :class:`TrackerConfig` fields.
     """
 
-    def __init__(self, log_interval: int = 10, *, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
-                 model_config: Any = None, padded_vocab_size: Optional[int] = None,
-                 seq_length: Optional[int] = None, global_batch_size: Optional[int] = None,
-                 flops_per_step: Optional[float] = None, peak_tflops: Optional[float] = None,
-                 precision: str = "auto", device_name: Optional[str] = None, ema_alpha: float = 0.1,
-                 spike_threshold: float = 0.5, backends: Iterable[Union[str, Backend]] = ("stdout", "jsonl"),
-                 log_dir: str = "logs", writer_rank: int = 0, device_mesh: Any = None, process_group: Any = None,
-                 ignore_index: int = -100, loss_key: str = "lm loss",
-                 config: Optional[Mapping[str, Any]] = None) -> None:
-        if log_interval < 1:
-            raise ValueError(f"log_interval must be at least 1, got {log_interval}")
-        if precision != "auto" and precision not in PRECISIONS:
-            raise ValueError(f"precision must be 'auto' or one of {PRECISIONS}, got {precision!r}")
-        if model_config is not None and padded_vocab_size is None:
-            raise ValueError("model_config needs padded_vocab_size to count the output layer's FLOPs")
-        self.log_interval = log_interval
+    def __init__(self, config: Optional[TrackerConfig] = None, *,
+                 metrics: Union[MetricCollection, Iterable[Metric], None] = None, device_mesh: Any = None,
+                 process_group: Any = None, **settings: Any) -> None:
+        config = dataclasses.replace(config, **settings) if config is not None else TrackerConfig(**settings)
+        self.config = config
+        self.log_interval = config.log_interval
         self.user_metrics: list[Metric] = _metric_list(metrics)
         self.device_mesh, self.process_group = device_mesh, process_group
-        self.ignore_index, self.loss_key = ignore_index, loss_key
-        self.spike_threshold = spike_threshold
-        self.model_config = model_config
+        model_config, padded_vocab_size = config.model_config, config.padded_vocab_size
         self._coefficients = flops_coefficients(model_config, padded_vocab_size) if model_config is not None else None
-        if flops_per_step is None and model_config is not None and seq_length and global_batch_size:
-            flops_per_step = num_floating_point_operations(model_config, global_batch_size, seq_length,
-                                                           padded_vocab_size)
+        flops_per_step = config.flops_per_step
+        if flops_per_step is None and model_config is not None and config.seq_length and config.global_batch_size:
+            flops_per_step = num_floating_point_operations(model_config, config.global_batch_size,
+                                                           config.seq_length, padded_vocab_size)
         self.flops_per_step = flops_per_step
-        self.precision = precision
         self._fp8_seen = bool(getattr(model_config, "fp8", None))
-        self._peak_override = peak_tflops
-        self.device_name = device_name if device_name is not None else current_device_name()
-        self.ema = ExponentialMovingAverages(ema_alpha)
-        self.logger = MetricsLogger([build_backend(b, log_dir) for b in backends], writer_rank=writer_rank,
-                                    log_dir=log_dir)
-        self.user_config = dict(config or {})
-        self._seq_length, self._global_batch_size, self._padded_vocab_size = seq_length, global_batch_size, \
-            padded_vocab_size
+        self.device_name = config.device_name if config.device_name is not None else current_device_name()
+        self.ema = ExponentialMovingAverages(config.ema_alpha)
+        self.logger = MetricsLogger([build_backend(b, config.log_dir) for b in config.backends],
+                                    writer_rank=config.writer_rank, log_dir=config.log_dir)
         self.timer = StepTimer()
         self.last_step = 0
         self.consumed_tokens = 0
@@ -182,8 +154,8 @@ class MetricsTracker:
         nonfinite_loss: Any = 0.0
         loss_tokens = None
         if loss is not None:
-            nonfinite_loss, loss_tokens = accumulate_loss_values(data, loss_values(loss, self.loss_key))
-        local_tokens = _real_tokens(tokens, loss_mask, labels, self.ignore_index)
+            nonfinite_loss, loss_tokens = accumulate_loss_values(data, loss_values(loss, self.config.loss_key))
+        local_tokens = _real_tokens(tokens, loss_mask, labels, self.config.ignore_index)
         local_tokens = local_tokens if local_tokens is not None else loss_tokens
         if local_tokens is not None:
             data.add_tokens(local_tokens)
@@ -245,7 +217,7 @@ class MetricsTracker:
         """Add the EMAs of the smoothed values, and the loss spike flag against the EMA before this loss."""
         if keys.LOSS in record:
             record[keys.LOSS_SPIKE] = int(is_loss_spike(record[keys.LOSS], self.ema.get(keys.LOSS),
-                                                        self.spike_threshold))
+                                                        self.config.spike_threshold))
         for name, ema_key in keys.EMA_OF.items():
             if name in record:
                 smoothed = self.ema.update(name, record[name], max(steps, 1))
@@ -325,11 +297,12 @@ class MetricsTracker:
 
     def run_config(self) -> dict[str, Any]:
         """The configuration logged to every backend (``run_config.py``), with the user's ``config`` last."""
-        return build_run_config(self._context(), model_config=self.model_config,
-                                padded_vocab_size=self._padded_vocab_size, seq_length=self._seq_length,
-                                global_batch_size=self._global_batch_size, flops_per_step=self.flops_per_step,
-                                log_interval=self.log_interval, peak_tflops=self._peak_tflops(),
-                                device_name=self.device_name, user_config=self.user_config)
+        config = self.config
+        return build_run_config(self._context(), model_config=config.model_config,
+                                padded_vocab_size=config.padded_vocab_size, seq_length=config.seq_length,
+                                global_batch_size=config.global_batch_size, flops_per_step=self.flops_per_step,
+                                log_interval=config.log_interval, peak_tflops=self._peak_tflops(),
+                                device_name=self.device_name, user_config=dict(config.run_config))
 
     def _context(self) -> ParallelContext:
         return self._states()[0].context
@@ -343,13 +316,13 @@ class MetricsTracker:
         return self._data, self._ranks
 
     def _note_precision(self) -> None:
-        if self.precision == "auto" and not self._fp8_seen and fp8_autocast_active():
+        if self.config.precision == "auto" and not self._fp8_seen and fp8_autocast_active():
             self._fp8_seen = True
 
     def _peak_tflops(self) -> Optional[float]:
-        if self._peak_override is not None:
-            return self._peak_override
-        precision = self.precision if self.precision != "auto" else ("fp8" if self._fp8_seen else "bf16")
+        if self.config.peak_tflops is not None:
+            return self.config.peak_tflops
+        precision = self.config.precision if self.config.precision != "auto" else ("fp8" if self._fp8_seen else "bf16")
         return peak_tflops(self.device_name, precision)
 
     def _warn_once(self, topic: str, message: str) -> None:
