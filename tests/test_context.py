@@ -55,6 +55,27 @@ def test_from_torch_device_mesh_counts_tp_duplicates_once():
     assert all(r["result"] == {"loss": 30.0 / 10} for r in results)
 
 
+def _torch_mesh_with_two_data_parallel_dims() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    context = ParallelContext.resolve(device_mesh=mesh)
+    members = [None] * context.dp_size
+    dist.all_gather_object(members, dist.get_rank(), group=context.dp_group)
+    metric = LossMetric(device_mesh=mesh, loss_reduction="sum")
+    metric.accumulate({}, {"loss": torch.tensor(float(context.dp_rank + 1)), "num_tokens": 1})
+    return {"dp": (context.dp_size, context.dp_rank), "members": members, "result": metric.calculate()}
+
+
+def test_torch_mesh_data_parallel_dims_together_form_the_data_parallel_group():
+    results = run_distributed(_torch_mesh_with_two_data_parallel_dims, 8)
+    # ranks (replicate, shard, tp): the DP group of a rank is every rank with its tp coordinate.
+    assert [r["members"] for r in results] == [[0, 2, 4, 6], [1, 3, 5, 7]] * 4
+    assert [r["dp"] for r in results] == [(4, 0), (4, 0), (4, 1), (4, 1), (4, 2), (4, 2), (4, 3), (4, 3)]
+    assert all(r["result"] == {"loss": (1 + 2 + 3 + 4) / 4} for r in results), "TP duplicates counted once"
+
+
 class TwinkleStyleMesh:
     """What Twinkle's DeviceMesh exposes (duck-typed; Twinkle is not a dependency): dp × fsdp × pp × tp."""
 

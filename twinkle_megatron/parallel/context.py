@@ -10,6 +10,7 @@ contribute identity values (see :meth:`ParallelContext.holds_data`).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -197,7 +198,7 @@ class ParallelContext:
         cp_group, cp_size, cp_rank = dim("cp")
         dp_names = [n for n in ("dp", "fsdp", "dp_shard", "dp_replicate") if n in names]
         if len(dp_names) > 1:
-            dp_group = mesh[tuple(dp_names)]._flatten().get_group()
+            dp_group = _group_over_dims(mesh.mesh, [names.index(n) for n in dp_names])
             dp_size, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         else:
             dp_group, dp_size, dp_rank = dim(dp_names[0]) if dp_names else (None, 1, 0)
@@ -256,6 +257,18 @@ def _mesh_ranks(mesh: Any) -> list[int]:
     if ranks is None:
         return list(range(dist.get_world_size()))
     return [int(r) for r in (ranks.flatten().tolist() if hasattr(ranks, "flatten") else ranks)]
+
+
+def _group_over_dims(ranks: torch.Tensor, dims: Sequence[int]) -> ProcessGroup:
+    """This rank's group of the ranks that differ only along ``dims`` of the rank grid ``ranks``.
+
+    Every group of the grid is created, in the same order on every rank
+    (``new_subgroups_by_enumeration`` is collective over the world).
+    """
+    others = [d for d in range(ranks.dim()) if d not in dims]
+    grouped = ranks.permute(*others, *dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
+    group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in grouped])
+    return group
 
 
 def _group_over(ranks: Sequence[int]) -> Optional[ProcessGroup]:

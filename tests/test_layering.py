@@ -1,0 +1,140 @@
+"""The package's structure: no private name crosses a module, no import cycle, each layer in its folder.
+
+A module reaches another only through its public names: it neither imports
+nor reads an ``_``-prefixed name defined elsewhere, nor overrides one in a
+subclass. The layers import one way: ``parallel`` and ``ops`` know nothing of
+the others; ``metric`` builds on them; ``megatron``, ``tracker`` and
+``logging`` on those; ``cli`` and ``plots`` on everything.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import twinkle_megatron
+
+PACKAGE = Path(twinkle_megatron.__file__).parent
+MODULES = sorted(name for _, name, _ in pkgutil.walk_packages([str(PACKAGE)], "twinkle_megatron.")
+                 if name != "twinkle_megatron.ops.triton_token_stats")  # needs Triton; scanned as text below
+FILES = sorted(PACKAGE.rglob("*.py"))
+# Which layers each layer may import (besides itself and the top-level keys module).
+ALLOWED = {
+    "parallel": set(),
+    "ops": {"parallel"},
+    "metric": {"parallel", "ops"},
+    "megatron": {"parallel", "ops", "metric"},
+    "logging": set(),
+    "tracker": {"parallel", "metric", "megatron", "logging"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """(absolute module, imported names, line) of every import of the package in ``path``, at any depth."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.startswith("twinkle_megatron"):
+                found.append((module, [alias.name for alias in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names
+                      if alias.name.startswith("twinkle_megatron")]
+    return found
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_name_is_imported_or_read_across_modules(path):
+    offences = [f"line {line}: imports {name} from {module}" for module, names, line in _imports(path)
+                for name in names if name.startswith("_") and not name.startswith("__")]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            is_self = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            is_super = isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
+            if not (is_self or is_super):
+                offences.append(f"line {node.lineno}: reads {ast.unparse(node)}")
+    assert not offences, "\n".join(offences)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_no_private_method_overrides_one_of_another_module(name):
+    module = importlib.import_module(name)
+    offences = []
+    for _, cls in inspect.getmembers(module, inspect.isclass):
+        if cls.__module__ != name:
+            continue
+        for attribute in vars(cls):
+            if not attribute.startswith("_") or attribute.startswith("__"):
+                continue
+            for base in cls.__mro__[1:]:
+                if attribute in vars(base) and base.__module__.startswith("twinkle_megatron") \
+                        and base.__module__ != name:
+                    offences.append(f"{cls.__name__}.{attribute} overrides {base.__module__}.{base.__name__}")
+    assert not offences, "\n".join(offences)
+
+
+def _graph() -> dict[str, set[str]]:
+    names = {_module_name(path) for path in FILES}
+    graph: dict[str, set[str]] = {}
+    for path in FILES:
+        targets = set()
+        for module, imported, _ in _imports(path):
+            for target in [f"{module}.{item}" for item in imported] + [module]:
+                if target in names:
+                    targets.add(target)
+                    break
+        graph[_module_name(path)] = targets - {_module_name(path)}
+    return graph
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = _graph()
+    # Importing a package runs its __init__, which imports its modules: a package's own modules are not a cycle.
+    edges = {m: {t for t in targets if not m.startswith(t + ".")} for m, targets in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for target in edges.get(node, ()):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(trail[trail.index(target):] + [target]))
+            elif target not in state:
+                visit(target, trail + [target])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_layers_import_one_way():
+    offences = []
+    for module, targets in _graph().items():
+        layer = module.split(".")[1] if module.count(".") >= 1 else ""
+        if layer not in ALLOWED:
+            continue
+        for target in targets:
+            other = target.split(".")[1] if target.count(".") >= 1 else ""
+            if other and other != layer and other != "keys" and other not in ALLOWED[layer]:
+                offences.append(f"{module} imports {target}")
+    assert not offences, "\n".join(offences)
