@@ -77,6 +77,47 @@ class Backend:
             pass
 
 
+class ExperimentBackend(Backend):
+    """A backend that logs into one run object of a tracking service (W&B, SwanLab).
+
+    ``open`` either :meth:`adopts <adopt>` a run the user already started
+    (logged into, its config updated, never finished by the tracker) or
+    :meth:`starts <start>` one of its own, which :meth:`close` finishes and
+    :meth:`abort` finishes as failed (:meth:`finish_failed`).
+    """
+
+    def __init__(self, config: Optional[Mapping[str, Any]] = None) -> None:
+        self.config = dict(config) if config is not None else {}
+        self.run: Any = None
+        self.owned = False  # whether the tracker started the run (and so finishes it)
+
+    def adopt(self, run: Any) -> None:
+        self.run, self.owned = run, False
+
+    def start(self, run: Any) -> None:
+        self.run, self.owned = run, True
+
+    def write(self, record: Mapping[str, float], step: int) -> None:
+        self.run.log(dict(record), step=step)
+
+    def finish_failed(self) -> None:
+        """Finish the backend's own run as failed (default: a plain finish)."""
+        self.run.finish()
+
+    def close(self) -> None:
+        if self.run is not None and self.owned:
+            self.run.finish()
+        self.run = None
+
+    def abort(self) -> None:
+        if self.run is not None and self.owned:
+            try:
+                self.finish_failed()
+            except Exception:  # noqa: BLE001 - already failing
+                pass
+        self.run = None
+
+
 def numeric_record(record: Mapping[str, Any]) -> dict[str, float]:
     """The entries of ``record`` that are real numbers (bools as 0/1); lists, strings and None are left out."""
     numbers: dict[str, float] = {}

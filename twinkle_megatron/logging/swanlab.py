@@ -31,13 +31,13 @@ import shutil
 import warnings
 from typing import Any, Mapping, Optional
 
-from .base import Backend, RunStart
+from .base import ExperimentBackend, RunStart
 from .run_ids import recall_run_id, remember_run_id
 
 LOCAL_MODES = ("offline", "local")
 
 
-class SwanLabBackend(Backend):
+class SwanLabBackend(ExperimentBackend):
     """Logs to a SwanLab experiment (see the module docstring for which one)."""
 
     name = "swanlab"
@@ -45,23 +45,21 @@ class SwanLabBackend(Backend):
     def __init__(self, project: Optional[str] = None, experiment_name: Optional[str] = None,
                  run_id: Optional[str] = None, config: Optional[Mapping[str, Any]] = None,
                  mode: Optional[str] = None, log_dir: Optional[str] = None, **init_kwargs: Any) -> None:
+        super().__init__(config)
         self.project = project
         self.experiment_name = experiment_name
         self.run_id = run_id
-        self.config = dict(config) if config is not None else {}
         self.mode = mode
         self.log_dir = log_dir
         self.init_kwargs = init_kwargs
-        self._run: Any = None
-        self._owned = False
 
     def open(self, run: RunStart) -> None:
         import swanlab
 
         config = {**run.config, **self.config}
         if swanlab.has_run():  # the user's run: log into it, never finish it
-            self._run, self._owned = swanlab.get_run(), False
-            self._run.config.update(config)
+            self.adopt(swanlab.get_run())
+            self.run.config.update(config)
             return
         mode = self.mode or os.environ.get("SWANLAB_MODE")
         log_dir = self.log_dir or (os.path.join(run.log_dir, "swanlog") if run.log_dir else None)
@@ -77,27 +75,13 @@ class SwanLabBackend(Backend):
                 warnings.warn("SwanLab cloud runs cannot be rewound: the points SwanLab holds at step "
                               f"{run.first_step} or later stay and the resumed run's values of those steps are "
                               "dropped by SwanLab", RuntimeWarning, stacklevel=2)
-        self._run = swanlab.init(**{key: value for key, value in options.items() if value is not None})
-        self._owned = True
+        self.start(swanlab.init(**{key: value for key, value in options.items() if value is not None}))
         for step in sorted(replay):
-            self._run.log(replay[step], step=step)
-        remember_run_id(run.log_dir, self.name, self._run.id)
+            self.run.log(replay[step], step=step)
+        remember_run_id(run.log_dir, self.name, self.run.id)
 
-    def write(self, record: Mapping[str, float], step: int) -> None:
-        self._run.log(dict(record), step=step)
-
-    def close(self) -> None:
-        if self._run is not None and self._owned:
-            self._run.finish()
-        self._run = None
-
-    def abort(self) -> None:
-        if self._run is not None and self._owned:
-            try:
-                self._run.finish(state="crashed", error="twinkle-megatron: the SwanLab backend failed")
-            except Exception:  # noqa: BLE001 - already failing
-                pass
-        self._run = None
+    def finish_failed(self) -> None:
+        self.run.finish(state="crashed", error="twinkle-megatron: the SwanLab backend failed")
 
 
 def local_run_dirs(log_dir: str, run_id: str) -> list[str]:

@@ -26,11 +26,11 @@ import contextlib
 import os
 from typing import Any, Iterator, Mapping, Optional
 
-from .base import Backend, RunStart
+from .base import ExperimentBackend, RunStart
 from .run_ids import recall_run_id, remember_run_id
 
 
-class WandbBackend(Backend):
+class WandbBackend(ExperimentBackend):
     """Logs to a W&B run (see the module docstring for which one)."""
 
     name = "wandb"
@@ -38,23 +38,21 @@ class WandbBackend(Backend):
     def __init__(self, project: Optional[str] = None, name: Optional[str] = None, run_id: Optional[str] = None,
                  config: Optional[Mapping[str, Any]] = None, directory: Optional[str] = None, rewind: bool = True,
                  **init_kwargs: Any) -> None:
+        super().__init__(config)
         self.project = project or os.environ.get("WANDB_PROJECT", "twinkle-megatron")
         self.run_name = name
         self.run_id = run_id
-        self.config = dict(config) if config is not None else {}
         self.directory = directory
         self.rewind = rewind
         self.init_kwargs = init_kwargs
-        self._run: Any = None
-        self._owned = False
 
     def open(self, run: RunStart) -> None:
         import wandb
 
         config = {**run.config, **self.config}
         if wandb.run is not None:  # the user's run: log into it, never finish it
-            self._run, self._owned = wandb.run, False
-            self._run.config.update(config, allow_val_change=True)
+            self.adopt(wandb.run)
+            self.run.config.update(config, allow_val_change=True)
             return
         explicit = self.run_id or os.environ.get("WANDB_RUN_ID")
         run_id = explicit or (recall_run_id(run.log_dir, self.name) if run.continues else None)
@@ -71,25 +69,11 @@ class WandbBackend(Backend):
         if options.get("dir"):
             os.makedirs(options["dir"], exist_ok=True)
         with _rewind_over_resume_env("resume_from" in options):
-            self._run = wandb.init(**{key: value for key, value in options.items() if value is not None})
-        self._owned = True
-        remember_run_id(run.log_dir, self.name, self._run.id)
+            self.start(wandb.init(**{key: value for key, value in options.items() if value is not None}))
+        remember_run_id(run.log_dir, self.name, self.run.id)
 
-    def write(self, record: Mapping[str, float], step: int) -> None:
-        self._run.log(dict(record), step=step)
-
-    def close(self) -> None:
-        if self._run is not None and self._owned:
-            self._run.finish()
-        self._run = None
-
-    def abort(self) -> None:
-        if self._run is not None and self._owned:
-            try:
-                self._run.finish(exit_code=1)
-            except Exception:  # noqa: BLE001 - already failing
-                pass
-        self._run = None
+    def finish_failed(self) -> None:
+        self.run.finish(exit_code=1)
 
 
 @contextlib.contextmanager
