@@ -17,31 +17,13 @@ import pickle
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Layout:
-    """A Megatron parallel layout; the data-parallel size follows from the world size."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    vpp: Optional[int] = None
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    def __str__(self) -> str:
-        vpp = f"_vpp{self.vpp}" if self.vpp else ""
-        return f"tp{self.tp}_pp{self.pp}_cp{self.cp}_dp{self.dp}{vpp}"
+from twinkle_megatron.parallel import Layout  # noqa: F401 (the tests import it from here)
 
 
 class WorkerError(AssertionError):

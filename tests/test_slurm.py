@@ -68,13 +68,13 @@ def test_node_zero_prints_the_layout_once(capsys):
 
 def test_restart_resumes_and_options_are_passed_on():
     requeued = job(SLURM_RESTART_COUNT="2", SLURM_NNODES="4")  # 16 GPUs for TP4 × PP2 × CP2
-    command = launch.build_command(requeued, launch.Layout(tp=4, pp=2, vpp=3, cp=2), "t.py", ["--steps", "5"],
-                                   run_name="mine", log_dir="/shared/runs")
+    command = launch.build_command(requeued, launch.layout_for(requeued, tp=4, pp=2, vpp=3, cp=2), "t.py",
+                                   ["--steps", "5"], run_name="mine", log_dir="/shared/runs")
     assert command[8:] == ["--tp", "4", "--pp", "2", "--vpp", "3", "--cp", "2", "--run-name", "mine",
                            "--log-dir", "/shared/runs", "--resume", "--steps", "5"]
-    first_start = launch.build_command(job(), launch.Layout(), "t.py")
+    first_start = launch.build_command(job(), launch.layout_for(job()), "t.py")
     assert "--resume" not in first_start and "--vpp" not in first_start and "--cp" not in first_start
-    assert "--resume" in launch.build_command(job(), launch.Layout(), "t.py", resume=True)
+    assert "--resume" in launch.build_command(job(), launch.layout_for(job()), "t.py", resume=True)
 
 
 def test_overrides_and_other_slurm_variables():
@@ -123,12 +123,12 @@ def test_bad_nodelists(nodelist, message):
 @pytest.mark.parametrize("layout, message", [
     (dict(tp=3), r"world size 8 \(2 nodes × 4 GPUs\) is not divisible by TP×PP×CP = 3×1×1 = 3"),
     (dict(tp=2, pp=2, cp=4), r"TP×PP×CP = 2×2×4 = 16"),
-    (dict(tp=0), "TP must be at least 1"),
+    (dict(tp=0), "TP must be an int of at least 1"),
     (dict(pp=1, vpp=2), r"need PP >= 2"),
 ])
 def test_bad_layouts(layout, message):
     with pytest.raises(launch.LaunchError, match=message):
-        launch.build_command(job(), launch.Layout(**layout), "t.py")
+        launch.build_command(job(), launch.layout_for(job(), **layout), "t.py")
 
 
 @pytest.mark.parametrize("env, message", [

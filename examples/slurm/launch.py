@@ -48,6 +48,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence
 
+from twinkle_megatron.parallel import Layout
+
 # Below Linux's ephemeral port range (32768-60999), so an outgoing connection of
 # another process cannot already hold the port we pick.
 PORT_BASE = 20000
@@ -192,31 +194,14 @@ def job_port(job_id: str) -> int:
     return PORT_BASE + number % PORT_SPAN
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Megatron's model-parallel layout; data parallelism takes the remaining GPUs."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    vpp: Optional[int] = None
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    def data_parallel(self, world_size: int, where: str = "") -> int:
-        """DP = world / (TP×PP×CP); a :class:`LaunchError` when that does not divide."""
-        for name in ("tp", "pp", "cp"):
-            if getattr(self, name) < 1:
-                raise LaunchError(f"{name.upper()} must be at least 1, got {getattr(self, name)}")
-        if self.vpp is not None and (self.vpp < 1 or self.pp < 2):
-            raise LaunchError(f"virtual pipeline stages (VPP={self.vpp}) need PP >= 2 and VPP >= 1, got PP={self.pp}")
-        if world_size % self.model_parallel:
-            raise LaunchError(f"world size {world_size}{where} is not divisible by TP×PP×CP = "
-                              f"{self.tp}×{self.pp}×{self.cp} = {self.model_parallel}; "
-                              "change the layout or the number of nodes/GPUs")
-        return world_size // self.model_parallel
+def layout_for(job: SlurmJob, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None) -> Layout:
+    """The job's layout: data parallelism takes the GPUs TP×PP×CP leaves; a :class:`LaunchError` when it cannot."""
+    try:
+        return Layout.for_world(job.world_size, tp=tp, pp=pp, cp=cp, vpp=vpp)
+    except ValueError as error:
+        where = f" ({job.nnodes} nodes × {job.gpus_per_node} GPUs)"
+        message = str(error).replace(f"world size {job.world_size}", f"world size {job.world_size}{where}")
+        raise LaunchError(f"{message}; change the layout or the number of nodes/GPUs") from error
 
 
 # ------------------------------------------------------------------ the command
@@ -225,12 +210,13 @@ class Layout:
 def build_command(job: SlurmJob, layout: Layout, script: str, script_args: Sequence[str] = (), *,
                   run_name: Optional[str] = None, log_dir: str = "runs", resume: bool = False,
                   torchrun: str = "torchrun") -> List[str]:
-    """The ``torchrun`` command (as a list) for this node of ``job``; checks ``layout`` first.
+    """The ``torchrun`` command (as a list) for this node of ``job`` (``layout``: see :func:`layout_for`).
 
     ``run_name`` defaults to ``JOBNAME-JOBID``. ``--resume`` is passed when
     ``resume`` is true or Slurm restarted the job.
     """
-    layout.data_parallel(job.world_size, f" ({job.nnodes} nodes × {job.gpus_per_node} GPUs)")
+    if layout.world_size != job.world_size:
+        raise LaunchError(f"the layout {layout} needs {layout.world_size} ranks, the job has {job.world_size}")
     clashes = [arg for arg in script_args if arg.split("=", 1)[0] in _OWN_FLAGS]
     if clashes:
         raise LaunchError(f"the launcher sets {', '.join(_OWN_FLAGS)} itself (it checks the layout); "
@@ -282,14 +268,14 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
     if args.script_args[:1] == ["--"]:  # `launch script -- args`: some Python versions keep the separator
         args.script_args = args.script_args[1:]
     env = os.environ if env is None else env
-    layout = Layout(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp)
     try:
         job = SlurmJob.from_env(env)
+        layout = layout_for(job, tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp)
         command = build_command(job, layout, args.script, args.script_args, run_name=args.run_name,
                                 log_dir=args.log_dir, resume=args.resume, torchrun=args.torchrun)
     except LaunchError as error:
         parser.error(str(error))  # "error: ..." on stderr, exit 2
-    data_parallel = layout.data_parallel(job.world_size)
+    data_parallel = layout.dp
     if job.node_rank == 0:  # one summary per job in the Slurm output, not one per node
         print(f"[launch] job {job.job_id}: {job.nnodes} nodes × {job.gpus_per_node} GPUs = {job.world_size} ranks, "
               f"TP{layout.tp} × PP{layout.pp} × CP{layout.cp} × DP{data_parallel}; rendezvous "
