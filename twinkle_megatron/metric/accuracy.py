@@ -33,14 +33,14 @@ class Accuracy(LogitsMetric):
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
-        self.add_state("correct_tokens", "sum")
-        self.add_state("total_tokens", "sum")
+        self.add_state("correct_tokens", "sum", grouped=True)
+        self.add_state("total_tokens", "sum", grouped=True)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        for batch, classes in self._token_batches(inputs, outputs, kwargs):
+        for batch, classes, groups in self._token_batches(inputs, outputs, kwargs):
             labels = to_device(batch.labels, batch.stats.argmax.device)
-            self._add("correct_tokens", (classes.counted & (batch.stats.argmax == labels)).sum())
-            self._add("total_tokens", classes.counted.sum())
+            self._add_tokens("correct_tokens", classes.counted & (batch.stats.argmax == labels), groups)
+            self._add_tokens("total_tokens", classes.counted, groups)
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results = self._token_problems(states)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
+from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenGroups, check_group_names, token_groups
 from .inputs import given
 from .sync import SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
 
@@ -92,6 +93,10 @@ class Metric(_Base):
             rank (then CP rank 0 counts it once) or each CP rank passes its own
             chunks (``False``: every CP rank counts). ``None`` (default): decided
             per microbatch from the shapes, see :func:`.context_parallel.align_to_cp_rank`.
+        group_names: names of the groups (datasets of a blend, domains) the
+            metric also reports per group, as ``key/<name>`` (see :mod:`.groups`).
+        group_key: the ``inputs`` key of the group ids (megatron-core's
+            ``BlendedDataset`` names it ``dataset_id``).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -101,7 +106,7 @@ class Metric(_Base):
             cls.accumulate = _without_autograd(accumulate)
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
-                 **kwargs: Any) -> None:
+                 group_names: Optional[Any] = None, group_key: str = "dataset_id", **kwargs: Any) -> None:
         # ``...``: the placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``).
         device_mesh = device_mesh if given(device_mesh) else None
         process_group = process_group if given(process_group) else None
@@ -119,16 +124,27 @@ class Metric(_Base):
             self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
+        self.group_names = check_group_names(group_names)
+        self.group_key = group_key
+        if self.group_names:
+            self.add_state(INVALID_GROUP_IDS, "sum")
 
     # ---------------------------------------------------------------- states
 
-    def add_state(self, name: str, reduce: str = "sum", shape: tuple[int, ...] = ()) -> None:
-        """Declare a state; it starts at the identity of its reduction (0, -inf or +inf)."""
+    def add_state(self, name: str, reduce: str = "sum", shape: tuple[int, ...] = (), grouped: bool = False) -> None:
+        """Declare a state; it starts at the identity of its reduction (0, -inf or +inf).
+
+        ``grouped``: also keep it per group (a ``[G, *shape]`` twin ``name/groups``)
+        when the metric has ``group_names``; :meth:`_add_tokens` and
+        :meth:`_maximum_tokens` fill both.
+        """
         if reduce not in _IDENTITY:
             raise ValueError(f"state {name!r}: reduce must be one of {sorted(_IDENTITY)}, got {reduce!r}")
         self._specs[name] = StateSpec(reduce, tuple(shape))
         self._states[name] = torch.full(tuple(shape), _IDENTITY[reduce], dtype=torch.float64,
                                         device=self._state_device())
+        if grouped and self.group_names:
+            self.add_state(name + GROUPED_SUFFIX, reduce, (len(self.group_names), *shape))
 
     def _state_device(self) -> torch.device:
         return next(iter(self._states.values())).device if self._states else torch.device("cpu")
@@ -166,6 +182,35 @@ class Metric(_Base):
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
 
+    def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups] = None) -> None:
+        """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per group to its twin."""
+        self._add(name, values.sum(dtype=torch.float64))
+        if groups is not None and name + GROUPED_SUFFIX in self._specs:
+            self._add(name + GROUPED_SUFFIX, groups.sum(values))
+
+    def _maximum_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups] = None) -> None:
+        """Fold max ``values`` (per token, -inf where not counted) into ``name``, and per group into its twin."""
+        if values.numel():
+            self._maximum(name, values.max())
+        if groups is not None and name + GROUPED_SUFFIX in self._specs:
+            self._maximum(name + GROUPED_SUFFIX, groups.max(values))
+
+    def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor) -> Optional[TokenGroups]:
+        """The groups of a microbatch's tokens (see :mod:`.groups`); counted tokens with an id outside
+        ``[0, G)`` are added to ``invalid_group_ids``. None without ``group_names`` or ids."""
+        if not self.group_names or ids is None:
+            return None
+        groups = token_groups(ids, like, len(self.group_names))
+        self._add(INVALID_GROUP_IDS, (counted & ~groups.valid).sum())
+        return groups
+
+    def group_ids_of(self, batch: Any, output: Any) -> Any:
+        """A microbatch's group ids: the ``group_ids`` keyword's entry, else ``inputs[group_key]``."""
+        if not self.group_names:
+            return None
+        ids = output.get("group_ids") if hasattr(output, "get") else None
+        return ids if ids is not None else (batch.get(self.group_key) if hasattr(batch, "get") else None)
+
     def _assign_finite(self, name: str, value: Union[torch.Tensor, Number], nonfinite_count: str) -> None:
         """Assign ``value`` if it is finite; else keep the state and add 1 to ``nonfinite_count``.
 
@@ -194,6 +239,32 @@ class Metric(_Base):
         """Results from the globally reduced states (scalars as floats, others as CPU tensors; gathered
         records in ``states.records``)."""
         raise NotImplementedError
+
+    def results(self, states: SyncedStates) -> dict[str, Number]:
+        """:meth:`compute` of the global states, then of each group's (``key/<group name>``, groups with data).
+
+        A group's view holds each grouped state's slice for the group, and the
+        identity of every other state, so ``compute`` reports just the group's
+        statistics (nothing where the group saw no data).
+        """
+        results = self.compute(states)
+        for index, group in enumerate(self.group_names):
+            view = {}
+            for name, spec in self._specs.items():
+                if name.endswith(GROUPED_SUFFIX):
+                    continue
+                twin = states.get(name + GROUPED_SUFFIX)
+                if twin is not None:
+                    value = twin[index]
+                    view[name] = float(value) if spec.shape == () else value
+                else:
+                    view[name] = spec.identity if spec.shape == () else torch.full(spec.shape, spec.identity,
+                                                                                     dtype=torch.float64)
+            for key, value in self.compute(SyncedStates(view)).items():
+                results[f"{key}/{group}"] = value
+        if self.group_names and states[INVALID_GROUP_IDS] > 0:
+            results[INVALID_GROUP_IDS] = int(states[INVALID_GROUP_IDS])
+        return results
 
     @syncs_declared_states
     def calculate(self) -> dict[str, Number]:

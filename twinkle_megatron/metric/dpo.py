@@ -75,10 +75,10 @@ class DPOMetric(Metric):
         self.ignore_index = ignore_index
         self.beta = float(beta)
         self.pair_layout = pair_layout
-        for name in ("pairs", "nonfinite_pairs", "chosen_logps", "rejected_logps", "ref_pairs", "ref_chosen_logps",
-                     "ref_rejected_logps",
+        for name in ("pairs", "chosen_logps", "rejected_logps", "ref_pairs", "ref_chosen_logps", "ref_rejected_logps",
                      "chosen_rewards", "rejected_rewards", "margins", "correct_pairs"):
-            self.add_state(name, "sum")
+            self.add_state(name, "sum", grouped=True)
+        self.add_state("nonfinite_pairs", "sum")
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         """Add the pairs of a call; ``ref_outputs`` (or ``ref_logps``) and ``pair_layout`` are per-call
@@ -89,9 +89,10 @@ class DPOMetric(Metric):
         ref_outputs = call_value("ref_outputs", kwargs, outputs)
         ref_logps = ref_outputs.get("logps") if ref_outputs is not None else None
         ref_logps = ref_logps if given(ref_logps) else call_value("ref_logps", kwargs, outputs)
-        batches = sequence_batches(inputs, {"logps": outputs["logps"], "ref_logps": ref_logps}, "logps",
-                                   ("ref_logps",), {}, self.context, self.cp_gathered, "DPOMetric",
-                                   extra=_reference_logps)
+        source = {"logps": outputs["logps"], "ref_logps": ref_logps,
+                  "group_ids": call_value("group_ids", kwargs, outputs)}
+        batches = sequence_batches(inputs, source, "logps", ("ref_logps",), {}, self.context, self.cp_gathered,
+                                   "DPOMetric", extra=_reference_logps, group_ids=self.group_ids_of)
         for index, batch in enumerate(batches):  # all checks before any state changes
             sequences = batch.tensors["logps"].shape[0]
             if sequences % 2:
@@ -128,23 +129,27 @@ class DPOMetric(Metric):
         clean = pair_nonfinite == 0
         counted = (pair_tokens > 0) & clean
         once = 1.0 if batch.complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each pair
+        # A pair's group is its chosen sequence's (both sequences of a pair come from one dataset).
+        groups = self._token_groups(batch.group_ids, mask, mask)
+        if groups is not None:
+            groups = groups.of_sequences().select(lambda rows: _split_pairs(rows, layout)[0])
 
-        def pooled(values: torch.Tensor) -> torch.Tensor:
-            return torch.where(clean, values, zero).sum()
+        def add(name: str, values: torch.Tensor) -> None:
+            self._add_tokens(name, torch.where(clean, values, zero), groups)
 
-        self._add("pairs", counted.sum() * once)
+        self._add_tokens("pairs", counted * once, groups)
         self._add("nonfinite_pairs", ((pair_tokens > 0) & ~clean).sum() * once)
-        self._add("chosen_logps", pooled(chosen))
-        self._add("rejected_logps", pooled(rejected))
+        add("chosen_logps", chosen)
+        add("rejected_logps", rejected)
         if ref is None:
             return
-        self._add("ref_pairs", counted.sum() * once)
-        self._add("ref_chosen_logps", pooled(ref_chosen))
-        self._add("ref_rejected_logps", pooled(ref_rejected))
-        self._add("chosen_rewards", pooled(chosen_rewards))
-        self._add("rejected_rewards", pooled(rejected_rewards))
-        self._add("margins", pooled(margins))
-        self._add("correct_pairs", (counted & (full_margins > 0)).sum() * once)
+        self._add_tokens("ref_pairs", counted * once, groups)
+        add("ref_chosen_logps", ref_chosen)
+        add("ref_rejected_logps", ref_rejected)
+        add("chosen_rewards", chosen_rewards)
+        add("rejected_rewards", rejected_rewards)
+        add("margins", margins)
+        self._add_tokens("correct_pairs", (counted & (full_margins > 0)) * once, groups)
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results: dict[str, Number] = {}

@@ -114,11 +114,12 @@ class GRPOMetric(Metric):
         self.vocab_size = check_vocab_size(vocab_size)
         self.logits_layout = logits_layout
         for name in ("tokens", "new_logp_sum", "entropy_tokens", "entropy_sum", "old_tokens", "old_logp_sum",
-                     "logp_diff_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_total", "nonfinite_tokens",
-                     "misaligned_arrays"):
+                     "logp_diff_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_total"):
+            self.add_state(name, "sum", grouped=True)
+        for name in ("nonfinite_tokens", "misaligned_arrays"):
             self.add_state(name, "sum")
-        self.add_state("token_kl_max", "max")
-        self.add_state("token_ratio_max", "max")
+        self.add_state("token_kl_max", "max", grouped=True)
+        self.add_state("token_ratio_max", "max", grouped=True)
         self._top_kl: Optional[torch.Tensor] = None  # [k, len(RECORD_FIELDS)] float64, on the device
         self._sequences_per_call: list[int] = []
         self._warned_entropy = False
@@ -134,10 +135,12 @@ class GRPOMetric(Metric):
         advantages = call_value("advantages", kwargs, outputs)
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        batches = sequence_batches(inputs, outputs, "logps", ("entropies", "logits", "token_stats"),
+        group_ids = call_value("group_ids", kwargs, outputs)
+        source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
+        batches = sequence_batches(inputs, source, "logps", ("entropies", "logits", "token_stats"),
                                    {"old_logps": old_logps, "advantages": advantages}, self.context,
-                                   self.cp_gathered, type(self).__name__,
-                                   extra=self._per_token_extras)
+                                   self.cp_gathered, type(self).__name__, extra=self._per_token_extras,
+                                   group_ids=self.group_ids_of)
         for batch in batches:
             if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
                 global_positions(batch.tensors["logps"].shape[-1], self.context, batch.complete)
@@ -202,31 +205,33 @@ class GRPOMetric(Metric):
             self._add("misaligned_arrays", misaligned)
         valid = mask & finite
         zero = torch.zeros((), dtype=torch.float64, device=device)
+        groups = self._token_groups(batch.group_ids, mask, mask)
         self._add("nonfinite_tokens", (mask & ~finite).sum())
-        self._add("tokens", valid.sum())
-        self._add("new_logp_sum", torch.where(valid, new, zero).sum())
+        self._add_tokens("tokens", valid, groups)
+        self._add_tokens("new_logp_sum", torch.where(valid, new, zero), groups)
         if entropy is not None:
-            self._add("entropy_tokens", valid.sum())
-            self._add("entropy_sum", torch.where(valid, entropy.to(torch.float64), zero).sum())
+            self._add_tokens("entropy_tokens", valid, groups)
+            self._add_tokens("entropy_sum", torch.where(valid, entropy.to(torch.float64), zero), groups)
         if old_tokens is None:
             return
 
         log_ratio = torch.where(valid, new - old_tokens, zero)
         ratio = torch.exp(log_ratio)
         kl = ratio - log_ratio - 1.0
-        self._add("old_tokens", valid.sum())
-        self._add("old_logp_sum", torch.where(valid, old_tokens, zero).sum())
-        self._add("logp_diff_sum", log_ratio.sum())
-        self._add("approx_kl_sum", torch.where(valid, kl, zero).sum())
-        if valid.numel() > 0:
-            minus_inf = torch.full((), float("-inf"), dtype=torch.float64, device=device)
-            self._maximum("token_kl_max", torch.where(valid, kl, minus_inf).max())
-            self._maximum("token_ratio_max", torch.where(valid, ratio, minus_inf).max())
+        self._add_tokens("old_tokens", valid, groups)
+        self._add_tokens("old_logp_sum", torch.where(valid, old_tokens, zero), groups)
+        self._add_tokens("logp_diff_sum", log_ratio, groups)
+        self._add_tokens("approx_kl_sum", torch.where(valid, kl, zero), groups)
+        minus_inf = torch.full((), float("-inf"), dtype=torch.float64, device=device)
+        self._maximum_tokens("token_kl_max", torch.where(valid, kl, minus_inf), groups)
+        self._maximum_tokens("token_ratio_max", torch.where(valid, ratio, minus_inf), groups)
         if advantage_tokens is not None:
             low, high, total = self._clip_counts(log_ratio, advantage_tokens, valid, batch.complete)
-            self._add("clip_low", low)
-            self._add("clip_high", high)
-            self._add("clip_total", total)
+            # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
+            clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
+            self._add_tokens("clip_low", low, clip_groups)
+            self._add_tokens("clip_high", high, clip_groups)
+            self._add_tokens("clip_total", total, clip_groups)
         if self.top_k_kl > 0:
             self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.complete)
 
@@ -246,11 +251,14 @@ class GRPOMetric(Metric):
 
     def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
                      complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(clipped low, clipped high, out of): token-level, gated by the advantage sign."""
+        """(clipped low, clipped high, out of) per token (``[b, s]``), gated by the advantage sign.
+
+        Subclasses may count per sequence instead (``[b]``): the caller sums either.
+        """
         ratio = torch.exp(log_ratio)
         low = valid & (ratio < 1 - self.epsilon) & (advantages < 0)
         high = valid & (ratio > 1 + self.epsilon_high) & (advantages > 0)
-        return low.sum(), high.sum(), valid.sum()
+        return low, high, valid
 
     # ------------------------------------------------------ top-K KL records
 
@@ -399,7 +407,7 @@ class GSPOMetric(GRPOMetric):
         low = counted & (ratio < 1 - self.epsilon) & (advantage_sum < 0)
         high = counted & (ratio > 1 + self.epsilon_high) & (advantage_sum > 0)
         once = 1.0 if complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each sequence
-        return low.sum() * once, high.sum() * once, counted.sum() * once
+        return low * once, high * once, counted * once
 
 
 class CISPOMetric(GRPOMetric):
@@ -416,7 +424,7 @@ class CISPOMetric(GRPOMetric):
         ratio = torch.exp(log_ratio)
         low = valid & (ratio < 1 - self.epsilon)
         high = valid & (ratio > 1 + self.epsilon_high)
-        return low.sum(), high.sum(), valid.sum()
+        return low, high, valid
 
 
 class PPOMetric(GRPOMetric):

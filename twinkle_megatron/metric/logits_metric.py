@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping, Optional
 
 from .base import Metric, Number, StateValues
+from .groups import TokenGroups
 from .inputs import call_value, microbatches, token_mask
 from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
 
@@ -32,29 +33,31 @@ class LogitsMetric(Metric):
         self.add_state("nonfinite_tokens", "sum")
         self.add_state("invalid_labels", "sum")
 
-    def _token_batches(self, inputs: Any, outputs: Any,
-                       kwargs: Mapping[str, Any]) -> Iterator[tuple[TokenBatch, TokenClasses]]:
-        """(aligned microbatch, classes) for each microbatch that has logits or statistics and counts here.
+    def _token_batches(self, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
+                       ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenGroups]]]:
+        """(aligned microbatch, classes, groups) for each microbatch that has logits or statistics and counts here.
 
-        ``vocab_size`` and ``logits_layout`` are per-call values (keyword, then
-        outputs, then the constructor's).
+        ``vocab_size``, ``logits_layout`` and ``group_ids`` are per-call values
+        (keyword, then outputs, then the constructor's).
         """
         if outputs is None:
             return
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        for batch, output in microbatches(inputs, outputs, ("logits", "token_stats")):
+        group_ids = call_value("group_ids", kwargs, outputs)
+        source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
+        for batch, output in microbatches(inputs, source, ("logits", "token_stats", "group_ids")):
             if "logits" not in output and "token_stats" not in output:
                 continue
             aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
-                                             self.cp_gathered)
+                                             self.cp_gathered, self.group_ids_of(batch, output))
             if not aligned.counted_here:
                 continue
             mask = token_mask(aligned.labels, aligned.completion_mask, self.ignore_index)
             classes = classify_tokens(aligned.stats, mask)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
-            yield aligned, classes
+            yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, classes.counted)
 
     def _token_problems(self, states: StateValues) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

@@ -93,6 +93,7 @@ class TokenBatch(NamedTuple):
     completion_mask: Optional[torch.Tensor]
     stats: TokenStats
     counted_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
+    group_ids: Any = None  # the microbatch's group ids, per token ones matched under CP like the labels
 
 
 def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
@@ -104,8 +105,9 @@ def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
 
 def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], context: ParallelContext,
                            vocab_size: Optional[int] = None, layout: Optional[str] = None,
-                           ignore_index: int = -100, cp_gathered: Optional[bool] = None) -> TokenBatch:
-    """The token statistics of one microbatch, with its labels and mask aligned to them.
+                           ignore_index: int = -100, cp_gathered: Optional[bool] = None,
+                           group_ids: Any = None) -> TokenBatch:
+    """The token statistics of one microbatch, with its labels, mask and group ids aligned to them.
 
     ``output['token_stats']`` when a hook already computed them (shaped like the
     labels), else computed from ``output['logits']`` (this rank's vocab shard).
@@ -123,22 +125,26 @@ def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], 
         if tuple(stats.argmax.shape) != tuple(labels.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)} but token_stats has shape "
                              f"{tuple(stats.argmax.shape)}")
-        return TokenBatch(labels, completion_mask, stats, True)
+        return TokenBatch(labels, completion_mask, stats, True, group_ids)
     logits = output["logits"]
     tensors = {"logits": (logits, logits_sequence_dim(logits, labels, layout)), "labels": (labels, labels.dim() - 1)}
     if completion_mask is not None:
         tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
+    per_token_ids = isinstance(group_ids, torch.Tensor) and group_ids.dim() == labels.dim() and labels.dim() > 1
+    if per_token_ids:
+        tensors["group_ids"] = (group_ids, group_ids.dim() - 1)
     if logits.dim() == 2 and len({t.shape[d] for t, d in tensors.values()}) > 1:
         raise ValueError(f"packed logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ in length: "
                          "under context parallelism packed sequences are split per sequence, so pass the labels "
                          "of this rank's chunks")
     aligned = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
     labels, completion_mask = aligned.tensors["labels"], aligned.tensors.get("completion_mask")
+    group_ids = aligned.tensors["group_ids"] if per_token_ids else group_ids
     if not aligned.counted_here(context):
-        return TokenBatch(labels, completion_mask, None, False)
+        return TokenBatch(labels, completion_mask, None, False, group_ids)
     stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
                                cache_key=id(logits))
-    return TokenBatch(labels, completion_mask, stats, True)
+    return TokenBatch(labels, completion_mask, stats, True, group_ids)
 
 
 def logits_sequence_dim(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str]) -> int:

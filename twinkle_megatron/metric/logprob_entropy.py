@@ -28,17 +28,17 @@ class TokenStatsMetric(LogitsMetric):
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
-        self.add_state("logprob_sum", "sum")
-        self.add_state("entropy_sum", "sum")
-        self.add_state("tokens", "sum")
+        self.add_state("logprob_sum", "sum", grouped=True)
+        self.add_state("entropy_sum", "sum", grouped=True)
+        self.add_state("tokens", "sum", grouped=True)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        for batch, classes in self._token_batches(inputs, outputs, kwargs):
+        for batch, classes, groups in self._token_batches(inputs, outputs, kwargs):
             stats = batch.stats
             zero = torch.zeros((), dtype=stats.entropy.dtype, device=stats.entropy.device)
-            self._add("logprob_sum", torch.where(classes.counted, stats.logprobs, zero).sum(dtype=torch.float64))
-            self._add("entropy_sum", torch.where(classes.counted, stats.entropy, zero).sum(dtype=torch.float64))
-            self._add("tokens", classes.counted.sum())
+            self._add_tokens("logprob_sum", torch.where(classes.counted, stats.logprobs, zero), groups)
+            self._add_tokens("entropy_sum", torch.where(classes.counted, stats.entropy, zero), groups)
+            self._add_tokens("tokens", classes.counted, groups)
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results = self._token_problems(states)

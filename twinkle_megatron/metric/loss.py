@@ -53,8 +53,8 @@ class LossMetric(Metric):
         super().__init__(device_mesh, process_group, **kwargs)
         self.loss_reduction = _check_reduction(loss_reduction)
         self.ignore_index = ignore_index
-        self.add_state("loss_sum", "sum")
-        self.add_state("weight", "sum")  # tokens ('sum') or values ('mean') behind loss_sum
+        self.add_state("loss_sum", "sum", grouped=True)
+        self.add_state("weight", "sum", grouped=True)  # tokens ('sum') or values ('mean') behind loss_sum
         self.add_state("nonfinite_losses", "sum")
         self.add_state("nonfinite_grad_norms", "sum")
         self.add_state("grad_norm", "max")
@@ -69,41 +69,53 @@ class LossMetric(Metric):
             return
         reduction = _check_reduction(call_value("loss_reduction", kwargs, outputs, self.loss_reduction))
         num_tokens = call_value("num_tokens", kwargs, outputs)
-        given = {"loss": loss} if num_tokens is None else {"loss": loss, "num_tokens": num_tokens}
-        for batch, output in microbatches(inputs, given, ("loss", "num_tokens")):
+        group_ids = call_value("group_ids", kwargs, outputs)
+        given = {"loss": loss}
+        given.update({} if num_tokens is None else {"num_tokens": num_tokens})
+        given.update({} if group_ids is None else {"group_ids": group_ids})
+        for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids")):
             loss = self._as_state("loss_sum", output["loss"])
+            ids = self.group_ids_of(batch, output)
             if loss.numel() == 1:
                 loss = loss.reshape(())
                 valid = torch.isfinite(loss)
                 weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
                           if reduction == "sum" else torch.ones_like(loss))
                 nonfinite = ~valid
+                if ids is not None and torch.as_tensor(ids).dim() > 0:
+                    raise ValueError("a loss value for the whole microbatch needs one group id for the whole "
+                                     "microbatch (or pass per-token losses with per-sample or per-token ids)")
             else:
-                valid, nonfinite = self._token_losses(batch, loss)
+                loss, valid, nonfinite, ids = self._token_losses(batch, loss, ids)
                 if valid is None:
                     continue
                 weight = valid.to(torch.float64)
-            self._add("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)).sum())
-            self._add("weight", torch.where(valid, weight, torch.zeros_like(weight)).sum())
+            groups = self._token_groups(ids, valid, valid)
+            self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)), groups)
+            self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)), groups)
             self._add("nonfinite_losses", nonfinite.sum())
 
-    def _token_losses(self, batch: Any, loss: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(counted finite tokens, counted non-finite tokens) of per-token losses; (None, None) off CP rank 0
-        for losses complete on every CP rank."""
+    def _token_losses(self, batch: Any, loss: torch.Tensor, ids: Any) -> tuple:
+        """Per-token losses matched under CP: (losses, counted finite tokens, counted non-finite tokens, group
+        ids); ``valid`` None off CP rank 0 for losses complete on every CP rank."""
         labels = batch.get("labels")
         if labels is None:
             raise ValueError("per-token losses need inputs['labels'] to mask them")
         tensors = {"loss": (loss, loss.dim() - 1), "labels": (labels, labels.dim() - 1)}
         if batch.get("completion_mask") is not None:
             tensors["completion_mask"] = (batch["completion_mask"], batch["completion_mask"].dim() - 1)
+        per_token_ids = isinstance(ids, torch.Tensor) and ids.dim() == labels.dim() and labels.dim() > 1
+        if per_token_ids:
+            tensors["group_ids"] = (ids, ids.dim() - 1)
         aligned = align_to_cp_rank(tensors, self.context, self.cp_gathered, local_sequence_length(batch))
         loss, labels = aligned.tensors["loss"], aligned.tensors["labels"]
+        ids = aligned.tensors["group_ids"] if per_token_ids else ids
         check_same_shape("loss", loss, "labels", labels)
         if not aligned.counted_here(self.context):
-            return None, None
+            return loss, None, None, ids
         mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index), loss.device)
         valid = mask & torch.isfinite(loss)
-        return valid, mask & ~valid
+        return loss, valid, mask & ~valid, ids
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:

@@ -141,6 +141,7 @@ class SequenceBatch(NamedTuple):
     first_sequence: int  # index of its first sequence among the call's sequences
     complete: bool  # whole sequences on every CP rank (see CPAlignment)
     counted_here: bool
+    group_ids: Any = None  # per sample, or per token (then matched under CP with the rest)
 
     def token_mask(self, anchor: str, ignore_index: int) -> torch.Tensor:
         """The tokens that count (``labels != ignore_index`` and ``completion_mask``), on the anchor's device."""
@@ -155,18 +156,20 @@ ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], Se
 
 def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, output_keys: Sequence[str],
                      per_sequence: Mapping[str, Any], context: ParallelContext, cp_gathered: Optional[bool],
-                     metric: str, extra: Optional[ExtraTensors] = None) -> list[SequenceBatch]:
+                     metric: str, extra: Optional[ExtraTensors] = None,
+                     group_ids: Optional[Callable[[Any, Any], Any]] = None) -> list[SequenceBatch]:
     """The microbatches of one ``accumulate`` call of a sequence-level metric, all checked first.
 
     ``anchor`` is the per-token output the metric is about (``logps``,
     ``values``), ``output_keys`` other outputs to pair per microbatch,
     ``per_sequence`` the call's per-sequence values by name (split with
     :func:`split_per_microbatch`), ``extra(batch, output, labels)`` more per-token
-    tensors to match under CP. Every shape is checked (``ValueError``) before the
-    caller changes any state.
+    tensors to match under CP, ``group_ids(batch, output)`` the microbatch's group
+    ids (per token ones are matched under CP too). Every shape is checked
+    (``ValueError``) before the caller changes any state.
     """
-    pairs = microbatches(inputs, outputs, (anchor, *output_keys))
-    aligned = []
+    pairs = microbatches(inputs, outputs, (anchor, *output_keys, "group_ids"))
+    aligned, ids_of = [], []
     for batch, output in pairs:
         labels = labels_2d(batch, metric)
         tensors: SequenceTensors = {anchor: (as_rows(output[anchor]), 1), "labels": (labels, 1)}
@@ -174,7 +177,12 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
             tensors["completion_mask"] = (as_rows(batch["completion_mask"]), 1)
         if extra is not None:
             tensors.update(extra(batch, output, labels))
+        ids = group_ids(batch, output) if group_ids is not None else None
+        per_token_ids = isinstance(ids, torch.Tensor) and ids.dim() == 2
+        if per_token_ids:
+            tensors["group_ids"] = (ids, 1)
         cp = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
+        ids_of.append(cp.tensors.pop("group_ids") if per_token_ids else ids)
         labels = cp.tensors["labels"]
         for name, tensor in cp.tensors.items():
             if name != "labels" and tensor.dim() == 2:
@@ -187,6 +195,6 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     batches, first_sequence = [], 0
     for index, ((_, output), cp) in enumerate(zip(pairs, aligned)):
         batches.append(SequenceBatch(cp.tensors, output, {name: piece[index] for name, piece in pieces.items()},
-                                     first_sequence, cp.complete, cp.counted_here(context)))
+                                     first_sequence, cp.complete, cp.counted_here(context), ids_of[index]))
         first_sequence += shapes[index][0]
     return batches

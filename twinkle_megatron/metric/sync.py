@@ -12,11 +12,14 @@ every name is public, nothing here reaches into a metric's internals):
 * ``sync_records()``: picklable records to gather from every rank (or None:
   numbers only, the usual case); the records of ranks whose data counts come
   back in :attr:`SyncedStates.records`;
-* ``counts_here()``: whether this rank's records count.
+* ``counts_here()``: whether this rank's records count;
+* ``results(states)``: the metric's results from its synced states
+  (:class:`~.base.Metric` runs its ``compute`` on the global states and on each
+  group's, see :mod:`.groups`).
 
-:func:`sync` *returns* each metric's :class:`SyncedStates`; the metric's
-``compute(states)`` turns them into results (:func:`calculate_metrics`), the
-tracker reads its own (``tracker/step_states.py``).
+:func:`sync` *returns* each metric's :class:`SyncedStates`;
+:func:`calculate_metrics` turns them into results, the tracker reads its own
+(``tracker/step_states.py``).
 
 **The collectives.** Every ``max`` state (``min`` negated) travels in one
 float64 buffer, every ``sum`` state in another; MAX first, then SUM. The MAX
@@ -97,7 +100,7 @@ def calculate_with_states(metrics: Iterable[Any]) -> tuple[dict[str, Number], li
     for metric in metrics:
         try:
             states = synced_of.get(id(metric))
-            pieces.append((type(metric).__name__, metric.compute(states) if states is not None else metric.calculate()))
+            pieces.append((type(metric).__name__, metric.results(states) if states is not None else metric.calculate()))
         except Exception as exc:  # e.g. invalid labels: raised on every rank, after every metric is reset
             error = error or exc
         if id(metric) in synced_of:

@@ -1,0 +1,153 @@
+"""Per-group (per-dataset) metrics: each group equals the metric on that group's data alone, under any layout.
+
+The reference of group g is the same metric, without groups, in one process,
+on the whole global batch with every sample of another group masked out
+(labels -100): a group's statistic is by definition the statistic of its own
+samples. Group ids come per sample (megatron-core's ``BlendedDataset`` gives
+each sample a ``dataset_id``), one sample's id is outside the groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from batches import megatron_rank_shard, split_microbatches
+from distributed import Layout, run_distributed
+from guards import count_collectives, forbid_host_sync
+
+from twinkle_megatron import Accuracy, DPOMetric, GRPOMetric, GSPOMetric, LossMetric, MetricCollection, TokenStatsMetric
+
+ROWS, SEQ, VOCAB, PADDED = 8, 8, 40, 48
+GROUPS = ("web", "code", "math")
+IDS = torch.tensor([0, 1, 0, 2, 1, 1, 0, 7])  # row 7: an id outside the groups
+LAYOUTS = [Layout(), Layout(tp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)]
+
+
+def data() -> dict:
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(ROWS, SEQ, PADDED, generator=generator, dtype=torch.float64) * 2
+    logits[..., VOCAB:] = 30.0  # padding columns: never read
+    labels = torch.where(torch.rand(ROWS, SEQ, generator=generator) < 0.5, logits[..., :VOCAB].argmax(-1),
+                         torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator))
+    labels[:, 0] = -100
+    logps = torch.log_softmax(logits[..., :VOCAB], -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    return {"logits": logits, "labels": labels, "logps": logps,
+            "old_logps": logps + 0.3 * torch.randn(ROWS, SEQ, generator=generator, dtype=torch.float64),
+            "ref_logps": logps + 0.2 * torch.randn(ROWS, SEQ, generator=generator, dtype=torch.float64),
+            "token_loss": torch.rand(ROWS, SEQ, generator=generator, dtype=torch.float64) * 3,
+            "advantages": torch.randn(ROWS, generator=generator, dtype=torch.float64)}
+
+
+def collections(group_names=()) -> list[MetricCollection]:
+    kw = {"group_names": group_names} if group_names else {}
+    return [MetricCollection([Accuracy(vocab_size=VOCAB, **kw), TokenStatsMetric(vocab_size=VOCAB, **kw),
+                              LossMetric(**kw), GRPOMetric(**kw), DPOMetric(**kw)]),
+            MetricCollection([GSPOMetric(**kw)])]
+
+
+def feed(collection: MetricCollection, d: dict, num_microbatches: int, vocab_shard: slice = slice(None)) -> None:
+    """The forms of the metrics' callers, per microbatch: logits (a vocab shard), per-token losses, logps..."""
+    split = lambda key: split_microbatches(d[key], num_microbatches)  # noqa: E731
+    inputs = [{"labels": labels, "dataset_id": ids} for labels, ids in zip(split("labels"), split("dataset_id"))]
+    outputs = {"logits": [logits[..., vocab_shard] for logits in split("logits")], "loss": split("token_loss"),
+               "logps": split("logps")}
+    collection.accumulate(inputs, outputs, old_logps=split("old_logps"), advantages=d["advantages"],
+                          ref_outputs={"logps": split("ref_logps")})
+
+
+def reference(group: int) -> dict:
+    """Every metric on the samples of ``group`` alone (one process)."""
+    d = {**data(), "dataset_id": IDS.clone()}
+    d["labels"][IDS != group] = -100
+    results = {}
+    for collection in collections():
+        feed(collection, d, 1)
+        results.update(collection.calculate())
+    return {key: value for key, value in results.items() if not key.startswith(("logps/", "rewards/"))}
+
+
+def dpo_reference(group: int) -> dict:
+    """DPO on the pairs of ``group`` alone: a (chosen, rejected) pair belongs to its chosen sample's group."""
+    d = {**data(), "dataset_id": IDS.clone()}
+    d["labels"][torch.repeat_interleave(IDS[0::2] != group, 2)] = -100
+    metric = DPOMetric()
+    metric.accumulate({"labels": d["labels"]}, {"logps": d["logps"]}, ref_outputs={"logps": d["ref_logps"]})
+    return metric.calculate()
+
+
+def _grouped(num_microbatches: int) -> tuple[dict, dict]:
+    from megatron.core import parallel_state as ps
+
+    d = data()
+    local = {key: megatron_rank_shard(value) for key, value in d.items() if value.dim() >= 2}
+    rows = slice(ps.get_data_parallel_rank() * ROWS // ps.get_data_parallel_world_size(),
+                 (ps.get_data_parallel_rank() + 1) * ROWS // ps.get_data_parallel_world_size())
+    local["dataset_id"], local["advantages"] = IDS[rows], d["advantages"][rows]
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    shard = slice(rank * PADDED // tp, (rank + 1) * PADDED // tp)
+    results, counts = {}, {}
+    for index, collection in enumerate(collections(GROUPS)):
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            with forbid_host_sync():
+                feed(collection, local, num_microbatches, shard)
+        with count_collectives() as counted:
+            results.update(collection.calculate())
+        counts[index] = dict(counted)
+    return results, counts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_each_group_equals_the_metric_on_that_groups_samples(layout):
+    expected = {group: reference(index) for index, group in enumerate(GROUPS)}
+    dpo = {group: dpo_reference(index) for index, group in enumerate(GROUPS)}
+    for num_microbatches in (1, 2):
+        per_rank = run_distributed(_grouped, layout=layout, args=(num_microbatches,))
+        results = per_rank[0][0]
+        assert all(r == results for r, _ in per_rank), "every rank: the same dict"
+        for group in GROUPS:
+            want = {**expected[group], **dpo[group]}
+            for key, value in want.items():
+                if key in ("nonfinite_tokens", "invalid_labels", "_high_kl_records"):
+                    continue
+                assert results[f"{key}/{group}"] == pytest.approx(value, rel=1e-9, abs=1e-12), (group, key)
+        # Row 7's id is outside [0, 3): its counted tokens are counted, and left out of every group.
+        invalid = int((data()["labels"][7] != -100).sum())
+        assert results["invalid_group_ids"] == invalid
+        assert results["total_tokens"] == sum(results[f"total_tokens/{g}"] for g in GROUPS) + invalid
+        sync = {"all_reduce": 2} if layout.world_size > 1 else {}
+        assert all(counts == {0: sync, 1: sync} for _, counts in per_rank), "groups travel in the same two all-reduces"
+
+
+def test_a_loss_per_microbatch_takes_one_group_id_per_microbatch():
+    metric = LossMetric(group_names=GROUPS)
+    metric.accumulate([{"dataset_id": 0}, {"dataset_id": 2}], {"loss": [6.0, 4.0], "num_tokens": [3, 1]},
+                      loss_reduction="sum")
+    assert metric.calculate() == {"loss": 2.5, "loss/web": 2.0, "loss/math": 4.0}
+    with pytest.raises(ValueError, match="needs one group id for the whole microbatch"):
+        metric.accumulate({"dataset_id": torch.tensor([0, 1])}, {"loss": 6.0, "num_tokens": 3},
+                          loss_reduction="sum")
+
+
+def test_group_ids_as_a_keyword_and_per_token():
+    labels = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 0], [4, 0, 6]]), 8).double()
+    per_token = torch.tensor([[0, 0, 1], [1, 1, 1]])
+    metric = Accuracy(group_names=("a", "b"))
+    metric.accumulate({"labels": labels}, {"logits": logits}, group_ids=per_token)
+    result = metric.calculate()
+    assert (result["correct_tokens/a"], result["total_tokens/a"]) == (2, 2)
+    assert (result["correct_tokens/b"], result["total_tokens/b"]) == (2, 4)
+
+
+def test_bad_group_names_and_ids_are_refused():
+    for names in (["a", "a"], ["a/b"], [""]):
+        with pytest.raises(ValueError, match="group names must be"):
+            Accuracy(group_names=names)
+    metric = Accuracy(group_names=("a",))
+    with pytest.raises(ValueError, match="group ids have shape"):
+        metric.accumulate({"labels": torch.ones(2, 3, dtype=torch.long), "dataset_id": torch.zeros(3, dtype=torch.long)},
+                          {"logits": torch.zeros(2, 3, 4)})
+    with pytest.raises(ValueError, match="group ids must be integers"):
+        metric.accumulate({"labels": torch.ones(2, 3, dtype=torch.long), "dataset_id": torch.zeros(2)},
+                          {"logits": torch.zeros(2, 3, 4)})
+    assert Accuracy().group_names == ()

@@ -1,0 +1,90 @@
+"""Per-group statistics (per dataset of a blend, per domain): one ``[G]`` sum per statistic, in the same sync.
+
+A metric built with ``group_names=["web", "code", ...]`` (G groups, known at
+construction) reads an integer group id per sample (``[b]``) or per token
+(``[b, s]``, or one number for the whole microbatch) with each microbatch: the
+``accumulate`` keyword ``group_ids`` (one tensor for the call's samples, or a
+list with one per microbatch) or ``inputs[group_key]`` (default
+``"dataset_id"``, the key megatron-core's ``BlendedDataset`` gives each
+sample). Each grouped statistic then has a twin state ``name/groups`` of shape
+``[G]`` (an ``index_add`` per microbatch, no host sync) in the collection's one
+sync: no extra collective. The metric's own ``compute`` turns each group's
+slice into results, reported as ``key/<group name>`` for every group that saw
+data. Ids outside ``[0, G)`` leave their tokens out of every group (the global
+statistics keep them) and are counted in ``invalid_group_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from .inputs import to_device
+
+GROUPED_SUFFIX = "/groups"
+INVALID_GROUP_IDS = "invalid_group_ids"
+
+
+class TokenGroups(NamedTuple):
+    """The group of each token of a microbatch, shaped like its tokens."""
+
+    ids: torch.Tensor  # int64, clamped into [0, G)
+    valid: torch.Tensor  # bool: the id was inside [0, G)
+    num_groups: int
+
+    def of_sequences(self) -> TokenGroups:
+        """The group of each sequence (row) of ``[b, s]`` tokens: its first token's (a sequence has one)."""
+        return TokenGroups(self.ids[:, 0], self.valid[:, 0], self.num_groups) if self.ids.dim() == 2 else self
+
+    def select(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> TokenGroups:
+        """The groups of some entries: ``rows`` applied to the ids and to their validity (e.g. chosen rows)."""
+        return TokenGroups(rows(self.ids), rows(self.valid), self.num_groups)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``[G]`` float64: Σ values per group (``values`` shaped like the tokens, 0 where not counted)."""
+        values = torch.where(self.valid, values.to(torch.float64), 0.0)
+        totals = torch.zeros(self.num_groups, dtype=torch.float64, device=values.device)
+        return totals.index_add_(0, self.ids.reshape(-1), values.reshape(-1))
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """``[G]`` float64: max of values per group (``values`` -inf where not counted; -inf for empty groups)."""
+        values = torch.where(self.valid, values.to(torch.float64), float("-inf"))
+        maxima = torch.full((self.num_groups,), float("-inf"), dtype=torch.float64, device=values.device)
+        return maxima.scatter_reduce_(0, self.ids.reshape(-1), values.reshape(-1), reduce="amax")
+
+
+def token_groups(ids: Any, like: torch.Tensor, num_groups: int) -> Optional[TokenGroups]:
+    """The groups of ``like``'s tokens (``[b, s]``, or ``[b]`` for one value per sequence) from ``ids``.
+
+    ``ids``: one number for the microbatch, one per sample (``[b]``) or one per
+    token (shaped like ``like``). ``ValueError`` for any other shape (shapes
+    only: no host sync). None when ``ids`` is None.
+    """
+    if ids is None:
+        return None
+    ids = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"group ids must be integers, got {ids.dtype}")
+    ids = to_device(ids, like.device).to(torch.int64)
+    if ids.dim() == 0:
+        ids = ids.expand(like.shape)
+    elif tuple(ids.shape) != tuple(like.shape):
+        if like.dim() >= 1 and ids.dim() == 1 and ids.shape[0] == like.shape[0]:
+            ids = ids.reshape(-1, *([1] * (like.dim() - 1))).expand(like.shape)
+        else:
+            raise ValueError(f"group ids have shape {tuple(ids.shape)} but the microbatch holds tokens of shape "
+                             f"{tuple(like.shape)}: give one id per sample, one per token, or one number")
+    valid = (ids >= 0) & (ids < num_groups)
+    return TokenGroups(ids.clamp(0, num_groups - 1), valid, num_groups)
+
+
+def check_group_names(group_names: Optional[Sequence[str]]) -> tuple[str, ...]:
+    """``group_names`` as a tuple of distinct, non-empty names without ``/`` (they end keys)."""
+    names = tuple(group_names or ())
+    for name in names:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"group names must be non-empty strings without '/', got {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"group names must be distinct, got {list(names)}")
+    return names
