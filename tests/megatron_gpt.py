@@ -443,7 +443,8 @@ def local_microbatches(batch: Mapping[str, Optional[torch.Tensor]], micro_batch_
             if value is not None:
                 if value.size(0) != 1 or global_batch_size == 1:
                     value = value[start:start + micro_batch_size]
-                value = cp_slice(value, _SEQUENCE_DIM.get(key, 1), cp_size, cp_rank)
+                if value.dim() > 1:  # per-sample entries ([b]: a dataset_id) have no sequence to split
+                    value = cp_slice(value, _SEQUENCE_DIM.get(key, 1), cp_size, cp_rank)
             micro[key] = value
         microbatches.append(micro)
     return microbatches

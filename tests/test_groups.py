@@ -12,10 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import megatron_rank_shard, split_microbatches
+from cuda_shim import cpu_cuda_shim
 from distributed import Layout, run_distributed
 from guards import count_collectives, forbid_host_sync
+from megatron_gpt import GPTSpec, build_gpt_model, gpt_forward_step, make_batch, reference_forward, run_forward_backward
 
 from twinkle_megatron import Accuracy, DPOMetric, GRPOMetric, GSPOMetric, LossMetric, MetricCollection, TokenStatsMetric
+from twinkle_megatron.megatron import instrument
 
 ROWS, SEQ, VOCAB, PADDED = 8, 8, 40, 48
 GROUPS = ("web", "code", "math")
@@ -145,9 +148,64 @@ def test_bad_group_names_and_ids_are_refused():
             Accuracy(group_names=names)
     metric = Accuracy(group_names=("a",))
     with pytest.raises(ValueError, match="group ids have shape"):
-        metric.accumulate({"labels": torch.ones(2, 3, dtype=torch.long), "dataset_id": torch.zeros(3, dtype=torch.long)},
-                          {"logits": torch.zeros(2, 3, 4)})
+        metric.accumulate({"labels": torch.ones(2, 3, dtype=torch.long),
+                           "dataset_id": torch.zeros(3, dtype=torch.long)}, {"logits": torch.zeros(2, 3, 4)})
     with pytest.raises(ValueError, match="group ids must be integers"):
         metric.accumulate({"labels": torch.ones(2, 3, dtype=torch.long), "dataset_id": torch.zeros(2)},
                           {"logits": torch.zeros(2, 3, 4)})
     assert Accuracy().group_names == ()
+
+
+# ------------------------------------------------------------------ through instrument() and the schedules
+
+SPEC = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
+TRUE_VOCAB = 60
+BLEND_IDS = torch.tensor([0, 1, 1, 0, 2, 0, 1, 2])  # one dataset_id per sample, as a BlendedDataset gives
+
+
+def _gpt_batch() -> dict:
+    batch = make_batch(SPEC, 8, seed=4)
+    batch["labels"] = batch["labels"] % TRUE_VOCAB
+    batch["tokens"] = batch["tokens"] % TRUE_VOCAB
+    batch["dataset_id"] = BLEND_IDS
+    return batch
+
+
+def _instrumented() -> dict:
+    with cpu_cuda_shim():
+        chunks = build_gpt_model(SPEC)
+        with instrument(chunks, vocab_size=TRUE_VOCAB, group_names=GROUPS) as metrics:
+            run_forward_backward(chunks, _gpt_batch(), micro_batch_size=2, forward_only=True,
+                                 forward_step_func=metrics.wrap(gpt_forward_step))
+            return metrics.calculate()
+
+
+def _reference_per_group() -> dict:
+    batch = _gpt_batch()
+    with cpu_cuda_shim():
+        (model,) = build_gpt_model(SPEC)
+        logits = reference_forward(model, batch).detach().double()
+    results = {}
+    for index, group in enumerate(GROUPS):
+        mask = batch["loss_mask"].bool() & (BLEND_IDS == index)[:, None]
+        full = logits[..., :TRUE_VOCAB]
+        logprobs = full.log_softmax(-1)
+        label_logprobs = logprobs.gather(-1, batch["labels"][..., None])[..., 0]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, SPEC.vocab_size), batch["labels"].reshape(-1),
+                                                 reduction="none").reshape(mask.shape)
+        results[group] = {"total_tokens": int(mask.sum()),
+                          "correct_tokens": int(((full.argmax(-1) == batch["labels"]) & mask).sum()),
+                          "logprob": float(label_logprobs[mask].mean()),
+                          "entropy": float(-(logprobs.exp() * logprobs).sum(-1)[mask].mean()),
+                          "loss": float(loss[mask].mean())}
+    return results
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2, pp=2), Layout(pp=2, dp=2)], ids=str)
+def test_instrument_reads_each_samples_dataset_id_from_its_batch(layout):
+    want = run_distributed(_reference_per_group, layout=Layout(), timeout=120)[0]
+    per_rank = run_distributed(_instrumented, layout=layout, timeout=120)
+    assert all(r == per_rank[0] for r in per_rank)
+    for group in GROUPS:
+        for key, value in want[group].items():
+            assert per_rank[0][f"{key}/{group}"] == pytest.approx(value, rel=1e-5), (group, key)

@@ -75,11 +75,13 @@ class HookFailures(Metric):
         return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}
 
 
-def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100) -> list[Metric]:
-    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss."""
-    return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index),
-            TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index),
-            LossMetric()]
+def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100,
+                    group_names: Optional[Sequence[str]] = None) -> list[Metric]:
+    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss (per group too)."""
+    groups = {"group_names": group_names} if group_names else {}
+    return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
+            TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
+            LossMetric(**groups)]
 
 
 class MegatronInstrumentation:
@@ -87,9 +89,10 @@ class MegatronInstrumentation:
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                  metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
-                 vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss") -> None:
+                 vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
+                 group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id") -> None:
         if metrics is None:
-            metrics = default_metrics(vocab_size, ignore_index)
+            metrics = default_metrics(vocab_size, ignore_index, group_names)
         self._failures = HookFailures()
         self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
@@ -98,7 +101,10 @@ class MegatronInstrumentation:
         self.vocab_size = _shared_vocab_size(vocab_size, user_metrics)
         self.ignore_index = ignore_index
         self.loss_key = loss_key
+        self.group_key = group_key
+        self._grouped = any(getattr(m, "group_names", ()) for m in user_metrics)
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
+        self._group_ids: Any = None  # the current microbatch's group ids (read from its batch, or recorded)
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
@@ -141,21 +147,35 @@ class MegatronInstrumentation:
     # ----------------------------------------------------------- forward_step
 
     def wrap(self, forward_step_func: Callable) -> Callable:
-        """The user's ``forward_step`` with its ``loss_func`` wrapped; the signature is kept."""
+        """The user's ``forward_step`` with its ``loss_func`` wrapped; the signature is kept.
+
+        With grouped metrics (``group_names``), the data iterator handed to
+        ``forward_step`` is read through: the batch's ``group_key`` entry (a
+        ``dataset_id`` per sample, as megatron-core's ``BlendedDataset`` gives)
+        becomes the microbatch's group ids, unless ``forward_step`` passes them
+        with :meth:`record_group_ids`.
+        """
 
         @functools.wraps(forward_step_func)
-        def forward_step(*args: Any, **kwargs: Any):
+        def forward_step(data_iterator: Any, *args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
-            self._captured = None
-            output_tensor, loss_func = forward_step_func(*args, **kwargs)
+            self._captured, self._group_ids = None, None
+            if self._grouped and data_iterator is not None:
+                data_iterator = _GroupIdsReader(data_iterator, self)
+            output_tensor, loss_func = forward_step_func(data_iterator, *args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
-            return output_tensor, self._wrap_loss_func(loss_func)
+            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids)
 
         return forward_step
 
-    def _wrap_loss_func(self, loss_func: Callable) -> Callable:
+    def record_group_ids(self, group_ids: Any) -> None:
+        """The current microbatch's group ids (one per sample, per token, or one number), for a
+        ``forward_step`` whose batches do not carry them under ``group_key``; call it in ``forward_step``."""
+        self._group_ids = group_ids
+
+    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None) -> Callable:
         @functools.wraps(loss_func)
         def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
             result = loss_func(output_tensor, *args, **kwargs)
@@ -164,22 +184,30 @@ class MegatronInstrumentation:
                 return result
             try:
                 loss_mask = _loss_mask_of(loss_func, captured)
-                self._accumulate(captured, loss_mask, result)
+                self._accumulate(captured, loss_mask, result, output_tensor, group_ids)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
             return result
 
         return wrapped
 
-    def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any) -> None:
+    def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
+                    output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None) -> None:
         loss, num_tokens = loss_func_result(result, self.loss_key)
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens}
         if captured is not None:
-            inputs["labels"] = captured["labels"]
+            labels = captured["labels"]
+            inputs["labels"] = labels
             if loss_mask is not None:
-                inputs["completion_mask"] = loss_mask.reshape(captured["labels"].shape)
+                inputs["completion_mask"] = loss_mask.reshape(labels.shape)
             outputs["token_stats"] = captured["stats"]
+            if group_ids is not None:
+                inputs[self.group_key] = group_ids
+                # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the
+                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups).
+                if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
+                    outputs = {**outputs, "loss": output_tensor.detach().reshape(labels.shape), "num_tokens": None}
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
 
@@ -245,8 +273,8 @@ class MegatronInstrumentation:
 
 def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
-               vocab_size: Optional[int] = None, ignore_index: int = -100,
-               loss_key: str = "lm loss") -> MegatronInstrumentation:
+               vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
+               group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id") -> MegatronInstrumentation:
     """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
 
     ``model`` is a model or the list of model chunks (virtual pipeline stages)
@@ -261,12 +289,34 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     ``vocab_size`` is the true vocabulary size (Megatron pads it); the model must be
     called with ``labels=`` (the hook reads them); the loss mask is read from the
     ``loss_func`` partial (or from ``loss_mask=`` given to the model).
+
+    ``group_names`` (with the default metrics; metrics passed in carry their own):
+    every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
+    group of each sample read from its batch's ``group_key`` (``dataset_id``,
+    as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
+    with :meth:`MegatronInstrumentation.record_group_ids`.
     """
     return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
-                                   loss_key=loss_key)
+                                   loss_key=loss_key, group_names=group_names, group_key=group_key)
 
 
 # ------------------------------------------------------------------ helpers
+
+
+class _GroupIdsReader:
+    """The schedule's data iterator, read through: each batch's group ids go to the instrumentation."""
+
+    def __init__(self, iterator: Any, instrumentation: MegatronInstrumentation) -> None:
+        self.iterator, self.instrumentation = iterator, instrumentation
+
+    def __iter__(self) -> _GroupIdsReader:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.iterator)
+        if isinstance(batch, dict) and batch.get(self.instrumentation.group_key) is not None:
+            self.instrumentation.record_group_ids(batch[self.instrumentation.group_key])
+        return batch
 
 
 def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
