@@ -29,6 +29,14 @@ class Accuracy(LogitsMetric):
 
     Results: ``accuracy``, ``correct_tokens``, ``total_tokens``, and
     ``nonfinite_tokens`` / ``invalid_labels`` when non-zero.
+
+    >>> import torch
+    >>> from twinkle_megatron import Accuracy
+    >>> metric = Accuracy()
+    >>> logits = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 0.0]]])
+    >>> metric.accumulate({"labels": torch.tensor([[0, 2, -100]])}, {"logits": logits})
+    >>> metric.calculate()
+    {'accuracy': 0.5, 'correct_tokens': 1, 'total_tokens': 2}
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:

@@ -15,6 +15,14 @@ class MetricCollection:
     ``calculate()`` issues at most two collectives for all built-in metrics,
     whatever their number, and returns the merged results (every rank the same
     dict); metrics with their own ``calculate()`` (Twinkle style) follow it.
+
+    >>> import torch
+    >>> from twinkle_megatron import Accuracy, LossMetric, MetricCollection
+    >>> metrics = MetricCollection([Accuracy(), LossMetric()])
+    >>> logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0]]])
+    >>> metrics.accumulate({"labels": torch.tensor([[0, 0]])}, {"logits": logits, "loss": 1.5})
+    >>> metrics.calculate()  # one sync for both (two all-reduces on several ranks)
+    {'accuracy': 0.5, 'correct_tokens': 1, 'total_tokens': 2, 'loss': 1.5}
     """
 
     def __init__(self, metrics: Union[Mapping[str, Any], Iterable[Any]]) -> None:

@@ -66,6 +66,16 @@ class DPOMetric(Metric):
     ``outputs['logps']`` and ``ref_outputs['logps']`` (or ``ref_logps``) shaped
     like ``labels`` (or gathered over CP while the labels are local, and the
     reverse), one tensor for the batch or a list per microbatch.
+
+    >>> import torch
+    >>> from twinkle_megatron import DPOMetric
+    >>> metric = DPOMetric(beta=0.1)
+    >>> labels = torch.tensor([[1, 2], [3, 4]])  # one (chosen, rejected) pair
+    >>> metric.accumulate({"labels": labels}, {"logps": torch.tensor([[-1.0, -1.0], [-3.0, -1.0]])},
+    ...                   ref_outputs={"logps": torch.tensor([[-2.0, -1.0], [-2.0, -1.0]])})
+    >>> result = metric.calculate()
+    >>> round(result["rewards/margins"], 6), result["rewards/accuracies"]
+    (0.2, 1.0)
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,

@@ -68,6 +68,14 @@ class EmbeddingMetric(Metric):
     ``labels`` hold one value per row. Sentence embeddings are complete on
     every CP rank (pooled, or position 0, which Megatron's CP split keeps on CP
     rank 0), so ``cp_gathered`` defaults to True: CP rank 0 counts.
+
+    >>> import torch
+    >>> from twinkle_megatron import EmbeddingMetric
+    >>> metric = EmbeddingMetric()
+    >>> embeddings = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [0.6, 0.8]])  # anchor, positive, ...
+    >>> metric.accumulate({"labels": torch.tensor([1, 0, 1, 0])}, {"embeddings": embeddings})
+    >>> {key: round(value, 6) for key, value in metric.calculate().items()}
+    {'pos_sim': 0.8, 'pos_sim_min': 0.8, 'pos_sim_max': 0.8, 'neg_sim': 0.6}
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, cp_gathered: bool = True,

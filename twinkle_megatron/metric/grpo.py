@@ -99,6 +99,16 @@ class GRPOMetric(Metric):
     ``entropies`` (shaped like the labels), or ``logits`` (this rank's vocab
     shard, ``vocab_size`` / ``logits_layout`` as for :class:`Accuracy`) or
     ``token_stats`` from which the entropy is taken.
+
+    >>> import math, torch
+    >>> from twinkle_megatron import GRPOMetric
+    >>> metric = GRPOMetric(epsilon=0.2)
+    >>> logps = torch.tensor([[math.log(0.5), math.log(0.25)]])  # the policy's, per token
+    >>> old = [[math.log(0.25), math.log(0.25)]]  # Twinkle's ragged per-sequence list
+    >>> metric.accumulate({"labels": torch.tensor([[3, 4]])}, {"logps": logps}, old_logps=old, advantages=[1.0])
+    >>> result = metric.calculate()
+    >>> result["train/clip_ratio_high"], round(result["train/token_ratio_max"], 6)  # ratio 2 > 1.2 with A > 0
+    (0.5, 2.0)
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,

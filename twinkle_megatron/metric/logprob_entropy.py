@@ -24,6 +24,14 @@ class TokenStatsMetric(LogitsMetric):
 
     Results: ``logprob``, ``entropy``, and ``nonfinite_tokens`` / ``invalid_labels``
     when non-zero.
+
+    >>> import math, torch
+    >>> from twinkle_megatron import TokenStatsMetric
+    >>> metric = TokenStatsMetric()
+    >>> metric.accumulate({"labels": torch.tensor([[1, 3]])}, {"logits": torch.zeros(1, 2, 4)})  # uniform over 4
+    >>> result = metric.calculate()
+    >>> round(result["logprob"], 6) == round(-math.log(4), 6) and round(result["entropy"], 6) == round(math.log(4), 6)
+    True
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:

@@ -46,6 +46,14 @@ class LossMetric(Metric):
     Results: ``loss`` (when any token or value counted), ``grad_norm`` (when
     given), ``nonfinite_losses`` / ``nonfinite_grad_norms`` (when > 0); ``{}``
     when nothing was passed.
+
+    >>> from twinkle_megatron import LossMetric
+    >>> metric = LossMetric()
+    >>> # Megatron-LM's reports of two microbatches: [sum, count] = [6, 3] and [2, 1]
+    >>> metric.accumulate([{}, {}], {"loss": [6.0, 2.0], "num_tokens": [3, 1]}, loss_reduction="sum",
+    ...                   grad_norm=0.5)
+    >>> metric.calculate()
+    {'loss': 2.0, 'grad_norm': 0.5}
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, loss_reduction: str = "mean",

@@ -52,6 +52,15 @@ class PPOValueMetric(Metric):
     :class:`~.grpo.GRPOMetric` accepts for ``old_logps`` (Twinkle's ragged
     per-sequence lists included). Without ``old_values`` or ``returns`` the call
     adds nothing (as in Twinkle).
+
+    >>> import torch
+    >>> from twinkle_megatron import PPOValueMetric
+    >>> metric = PPOValueMetric(epsilon=0.2)
+    >>> metric.accumulate({"labels": torch.tensor([[1, 2]])}, {"values": torch.tensor([[0.5, 1.5]])},
+    ...                   old_values=[[0.5, 1.0]], returns=[[1.0, 1.0]])
+    >>> result = metric.calculate()
+    >>> result["train/value_mean"], result["train/value_clip_ratio"]
+    (1.0, 0.5)
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, epsilon: float = 0.2,

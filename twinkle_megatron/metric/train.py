@@ -30,6 +30,13 @@ class TrainMetric(Metric):
     Learning rates, step and timings join the collection's one sync as ``max``
     states (up to ``max_param_groups`` learning rates), so ranks that did not
     accumulate still report the same values.
+
+    >>> from twinkle_megatron import TrainMetric
+    >>> metric = TrainMetric()
+    >>> metric.accumulate(None, None, lr=[1e-4, 2e-5], step=32, gradient_accumulation_steps=4)
+    >>> result = metric.calculate()
+    >>> result["learning rate(param group 2)"], result["iters"], sorted(result)[-2:]
+    (2e-05, 8, ['speed', 'total time elapse'])
     """
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, max_param_groups: int = 16,

@@ -143,6 +143,13 @@ def vocab_parallel_token_stats(logits: torch.Tensor, labels: Optional[torch.Tens
     Returns:
         :class:`TokenStats` ``(argmax, logprobs, entropy)``; ``logprobs`` is None
         when ``labels`` is None.
+    
+    >>> import torch
+    >>> from twinkle_megatron.ops import vocab_parallel_token_stats
+    >>> logits = torch.tensor([[0.0, 0.0, 2.0, 9.0]])  # the last column is padding: vocab_size=3
+    >>> stats = vocab_parallel_token_stats(logits, torch.tensor([2]), vocab_size=3)
+    >>> stats.argmax.tolist(), round(stats.logprobs.item(), 4), round(stats.entropy.item(), 4)
+    ([2], -0.2395, 0.6656)
     """
     return _token_stats(logits, labels, group, vocab_size, chunk_size, ignore_index, need_sums=True, kernel=kernel)
 

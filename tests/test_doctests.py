@@ -1,0 +1,21 @@
+"""The runnable examples in the public docstrings (the metrics, the collection, the ops) run and say what they show."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["twinkle_megatron.metric.accuracy", "twinkle_megatron.metric.logprob_entropy",
+           "twinkle_megatron.metric.loss", "twinkle_megatron.metric.train", "twinkle_megatron.metric.grpo",
+           "twinkle_megatron.metric.dpo", "twinkle_megatron.metric.embedding",
+           "twinkle_megatron.metric.completion_reward", "twinkle_megatron.metric.ppo",
+           "twinkle_megatron.metric.collection", "twinkle_megatron.ops.token_stats"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no example"
+    assert result.failed == 0
