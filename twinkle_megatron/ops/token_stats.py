@@ -143,7 +143,7 @@ def vocab_parallel_token_stats(logits: torch.Tensor, labels: Optional[torch.Tens
     Returns:
         :class:`TokenStats` ``(argmax, logprobs, entropy)``; ``logprobs`` is None
         when ``labels`` is None.
-    
+
     >>> import torch
     >>> from twinkle_megatron.ops import vocab_parallel_token_stats
     >>> logits = torch.tensor([[0.0, 0.0, 2.0, 9.0]])  # the last column is padding: vocab_size=3
