@@ -87,11 +87,12 @@ def recompute_rng_on_cpu() -> Iterator[None]:
         torch.cuda.random.get_rng_state = original
 
 
-def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None) -> None:
     """megatron-core's parallel_state with expert parallelism (inside a ``run_distributed`` worker)."""
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep, create_gloo_process_groups=False)
+                                             virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                             create_gloo_process_groups=False)
 
 
 def moe_config(spec: GPTSpec, moe: MoESpec, **overrides: Any) -> TransformerConfig:

@@ -2,9 +2,10 @@
 
 A tiny GPTModel (4 layers, each with 4 experts, top-2, megatron-core's TopKRouter,
 aux and z losses on) is trained through the pipeline schedules on CPU gloo ranks
-under PP2×DP2 (with full activation recomputation), PP2×DP2×EP2 (the all-gather
-token dispatcher; the all-to-all one cannot run on gloo, see tests/megatron_moe.py),
-TP2 with sequence parallelism, and evaluated under TP2 without it. After every
+under PP2×DP2 (1F1B, with the MoE layers' activations recomputed), PP2×VPP2×DP2
+(the interleaved schedule, one layer per chunk), PP2×DP2×EP2 (the all-gather token
+dispatcher; the all-to-all one cannot run on gloo, see tests/megatron_moe.py), TP2
+with sequence parallelism, and evaluated under TP2 without it. After every
 step, ``instrument()``'s ``calculate()`` must equal a single-process reference
 counted from the routers' own routing maps (captured there by a plain forward
 hook): tokens per expert per layer exactly, padding tokens excluded, routing
@@ -176,11 +177,11 @@ def _guarded(method):
 
 
 def _train_worker(tp: int, pp: int, ep: int, sequence_parallel: bool, recompute: bool, steps: int, padding: bool,
-                  evaluate: bool) -> list[dict]:
+                  evaluate: bool, vpp: int | None) -> list[dict]:
     # Every host sync inside our router hooks raises; the failure is recorded and raised by calculate().
     MoERoutingHooks._before_router = _guarded(MoERoutingHooks._before_router)
     MoERoutingHooks._after_router = _guarded(MoERoutingHooks._after_router)
-    init_parallel(tp, pp, ep)
+    init_parallel(tp, pp, ep, vpp)
     batch = _batch()
     overrides = dict(sequence_parallel=sequence_parallel)
     if recompute:
@@ -217,18 +218,19 @@ def _train_worker(tp: int, pp: int, ep: int, sequence_parallel: bool, recompute:
     return results
 
 
-# (tp, pp, ep, sequence_parallel, recompute, steps, padding, evaluate)
+# (tp, pp, ep, sequence_parallel, recompute, steps, padding, evaluate, vpp)
 RUNS = {
-    "pp2_dp2_recompute": (1, 2, 1, False, True, 2, True, False),
-    "pp2_dp2_ep2": (1, 2, 2, False, False, 2, True, False),
-    "tp2_sp": (2, 1, 1, True, False, 1, True, False),
-    "tp2_eval": (2, 1, 1, False, False, 1, True, True),
+    "pp2_dp2_recompute": (1, 2, 1, False, True, 2, True, False, None),
+    "pp2_vpp2_dp2": (1, 2, 1, False, False, 1, True, False, 2),
+    "pp2_dp2_ep2": (1, 2, 2, False, False, 2, True, False, None),
+    "tp2_sp": (2, 1, 1, True, False, 1, True, False, None),
+    "tp2_eval": (2, 1, 1, False, False, 1, True, True, None),
 }
 
 
 @functools.cache
 def run(name: str) -> list[list[dict]]:
-    tp, pp, ep, sp, recompute, steps, padding, evaluate = RUNS[name]
+    tp, pp = RUNS[name][:2]
     world = 4 if pp == 2 else tp
     return run_distributed(_train_worker, world_size=world, args=RUNS[name], timeout=TIMEOUT)
 
@@ -239,7 +241,7 @@ def _per_layer(result: dict, layer: int, stat: str) -> float:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_routing_statistics_equal_the_single_process_reference(name):
-    _, _, _, _, _, steps, padding, evaluate = RUNS[name]
+    _, _, _, _, _, steps, padding, evaluate, _ = RUNS[name]
     expected = reference(padding=padding)
     per_rank = run(name)
     for step in range(steps):

@@ -24,7 +24,7 @@ The probabilities the router returns cannot give the entropy: with the default
 score function they are a softmax over the top-k logits only. (Differences:
 with ``moe_input_jitter_eps`` the entropy is that of the un-jittered logits; with
 ``moe_router_force_load_balancing`` that of the real, not the random, logits.)
-Tokens whose logits are not finite are left out of the entropy and counted.
+Tokens with any non-finite logit are left out of the entropy and counted.
 
 **Megatron's router losses.** Routers that compute an auxiliary loss
 (``load_balancing_loss``, ``seq_load_balancing_loss``,
@@ -175,7 +175,8 @@ class MoERoutingMetric(Metric):
                                  f"{tuple(logits.shape)}, routing_map {tuple(routing_map.shape)}")
             logits = logits.detach().reshape(-1, self.num_experts)
             logits = logits if logits.dtype == torch.float64 else logits.float()
-            entropy = torch.special.entr(logits.softmax(-1)).sum(-1)  # -Σ p log p, 0·log 0 = 0
+            logprobs = logits.log_softmax(-1)
+            entropy = -(logprobs.exp() * logprobs).sum(-1)  # NaN for a token with any non-finite logit
             finite = torch.isfinite(entropy)
             counted = finite if valid is None else finite & valid
             self._add_row("entropy", row, torch.where(counted, entropy, 0.0).sum(dtype=torch.float64))
