@@ -530,7 +530,7 @@ def test_the_moe_demo_logs_and_charts_routing_health(tmp_path):
     optimizer and 1F1B schedule): every record has the moe/ aggregates and the per-layer loads; plot charts them."""
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "2", "--dp", "2",
                "--ep", "2", "--moe-experts", "4", "--moe-topk", "2", "--steps", "2", "--log-interval", "1",
-               "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl"]
+               "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl", "stdout"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = tmp_path / "run" / "metrics.jsonl"
@@ -543,6 +543,8 @@ def test_the_moe_demo_logs_and_charts_routing_health(tmp_path):
         assert record[keys.MOE_TOKENS] == 4 * 4 * 32 * 2  # microbatches × micro batch × sequence × DP, per layer
         assert all(f"moe/layer_{i}/expert_{e}_utilization" in record for i in range(4) for e in range(4))
         assert 1.0 <= record[keys.MOE_IMBALANCE_MAX] <= 4 / 2
+    line = next(line for line in done.stdout.splitlines() if line.startswith("step 2 |"))
+    assert "moe/imbalance_max" in line and "moe/layer_" not in line, "per-layer keys stay off the console line"
     pytest.importorskip("matplotlib")
     from twinkle_megatron.cli import main
 

@@ -107,10 +107,13 @@ MOE_IMBALANCE_WORST_LAYER = "moe/imbalance_worst_layer"
 MOE_NONFINITE_ROUTER_TOKENS = "moe/nonfinite_router_tokens"
 
 
+MOE_LAYER_PREFIX = "moe/layer_"
+
+
 def moe_layer_key(layer: int, stat: str) -> str:
     """``moe/layer_{layer}/{stat}``: ``layer`` is the 0-based global layer index (Megatron's ``layer_number − 1``,
     the index Megatron-LM's own per-layer keys ``moe/{loss}_layer_{i}`` use)."""
-    return f"{MOE_PREFIX}layer_{layer}/{stat}"
+    return f"{MOE_LAYER_PREFIX}{layer}/{stat}"
 
 
 # Every moe/ key with its meaning (the README's MoE key table). n_e: tokens routed to expert e in the interval,

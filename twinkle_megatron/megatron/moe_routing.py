@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -268,8 +269,7 @@ class MoERoutingMetric(Metric):
         entropy_tokens = float(torch.as_tensor(states["entropy_tokens"])[row])
         if entropy_tokens > 0:
             mean_entropy = float(torch.as_tensor(states["entropy"])[row]) / entropy_tokens
-            stats["routing_entropy_norm"] = float(torch.tensor(mean_entropy, dtype=torch.float64).exp()) / \
-                self.num_experts
+            stats["routing_entropy_norm"] = math.exp(mean_entropy) / self.num_experts
         for name in ROUTER_LOSSES:
             weight = float(torch.as_tensor(states[f"{name}_weight"])[row])
             if weight > 0:
