@@ -21,7 +21,7 @@ MCORE_STAMP := $(MCORE_DIR)/.installed
 TEST_ENV := PYTHONPATH=$(abspath $(MCORE_DIR))
 endif
 
-.PHONY: setup test test-backends test-slurm test-twinkle demo lint bench clean triton kernel-test gpu-check
+.PHONY: setup test test-backends test-slurm test-twinkle demo demo-moe lint bench clean triton kernel-test gpu-check
 
 setup: $(STAMP)
 
@@ -80,6 +80,12 @@ test-twinkle: $(TWINKLE_STAMP)
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --run-name demo --log-dir runs
 	$(PY) -m twinkle_megatron.cli plot runs/demo/metrics.jsonl -o runs/demo/plots
+
+# The MoE variant: 4 experts top-2 per layer, PP2 × DP2 × EP2 on 4 CPU ranks; routing health and its heat map.
+demo-moe: $(STAMP)
+	$(PY) examples/train_gpt.py --tp 1 --pp 2 --dp 2 --ep 2 --moe-experts 4 --moe-topk 2 --run-name demo-moe \
+		--log-dir runs
+	$(PY) -m twinkle_megatron.cli plot runs/demo-moe/metrics.jsonl -o runs/demo-moe/plots
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

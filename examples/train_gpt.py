@@ -26,11 +26,19 @@ CUDA-to-CPU shim), either as ranks forked by this script or under torchrun::
 
     python examples/train_gpt.py                       # TP2 × PP2 × DP2 on 8 forked ranks
     python examples/train_gpt.py --vpp 2 --steps 60    # the interleaved schedule
+    python examples/train_gpt.py --tp 1 --ep 2 --moe-experts 4 --moe-topk 2   # MoE layers, routing health
     torchrun --nproc-per-node 4 examples/train_gpt.py --device cpu --tp 2 --pp 2
 
 GPUs (one process per GPU, NCCL, bf16; see examples/slurm/ for several nodes)::
 
     torchrun --nproc-per-node 8 examples/train_gpt.py --tp 2 --pp 2
+
+MoE (``--moe-experts N --moe-topk K``, ``--ep`` for expert parallelism): every
+layer's MLP becomes N experts behind megatron-core's ``TopKRouter`` (aux and z
+losses on); ``instrument()`` then also logs routing health (``moe/...``: expert
+utilisation, dead experts, imbalance across layers, routing entropy, Megatron's
+router losses), with the per-layer keys the expert-load heat map of
+``twinkle-megatron plot`` reads.
 
 Preemption: SIGUSR1 or SIGTERM makes every rank finish its current step, save a
 checkpoint of that step and exit with status 0; ``--resume`` continues from it
@@ -126,18 +134,39 @@ def this_cp_rank(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
 
 
-def transformer_layer_spec(use_te: bool):
-    """Transformer Engine layers on GPUs when TE imports, Megatron's local layers otherwise."""
+def transformer_layer_spec(use_te: bool, num_experts: Optional[int] = None):
+    """Transformer Engine layers on GPUs when TE imports, Megatron's local layers otherwise (MoE MLPs with
+    ``num_experts``)."""
     if use_te:
         try:
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
         except (ImportError, RuntimeError, OSError, AssertionError):
             pass
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+
+
+def moe_config_kwargs(args: argparse.Namespace, cpu: bool) -> dict:
+    """TransformerConfig fields of the MoE variant (``--moe-experts``): none for the dense model."""
+    if not args.moe_experts:
+        return {}
+    _tests_on_path()
+    from megatron_moe import allow_router_without_te
+
+    allow_router_without_te()  # megatron-core 0.16's router without Transformer Engine (see tests/megatron_moe.py)
+    return dict(
+        num_moe_experts=args.moe_experts, moe_router_topk=args.moe_topk, expert_model_parallel_size=args.ep,
+        # The all-to-all dispatcher needs CUDA (its split sizes become lists only from CUDA tensors).
+        moe_token_dispatcher_type="allgather" if cpu else "alltoall",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+        # Megatron trains MoE layers under TP only with sequence parallelism (TE's norms on GPUs).
+        sequence_parallel=args.tp > 1,
+        # megatron-core 0.16's local expert MLP adds its bias in place to a custom autograd function's view.
+        add_bias_linear=False,
+    )
 
 
 def build_model(args: argparse.Namespace, device: torch.device):
@@ -156,12 +185,13 @@ def build_model(args: argparse.Namespace, device: torch.device):
         params_dtype=dtype, pipeline_dtype=dtype, bf16=not cpu,
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
         batch_p2p_comm=args.vpp is None,  # the interleaved schedule with batched p2p is wrong on gloo
+        **moe_config_kwargs(args, cpu),
     )
     # Megatron-LM's seeding: the CPU generator (which initialises the weights with use_cpu_initialization)
     # per pipeline stage, the same on the TP ranks that split one master weight; CUDA's per TP rank.
     torch.manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
     model_parallel_cuda_manual_seed(args.seed, **({"inference_rng_tracker": True} if cpu else {}))
-    layer_spec = transformer_layer_spec(use_te=not cpu)
+    layer_spec = transformer_layer_spec(use_te=not cpu, num_experts=args.moe_experts or None)
     chunks = []
     for stage in range(args.vpp or 1):
         vp_stage = stage if args.vpp else None
@@ -191,7 +221,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
     stop = StopRequest()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                 virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp)
+                                 virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
+                                 expert_model_parallel_size=args.ep)
     chunks, config = build_model(args, device)
     optimizer = get_megatron_optimizer(
         # Megatron's gradient clipping asserts CUDA tensors: no clipping on CPU.
@@ -205,9 +236,11 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     if not args.resume and dist.get_rank() == 0 and os.path.exists(log_path):
         os.remove(log_path)  # a fresh run, not one appended to an older run's log
     dist.barrier()
-    # The tracker reports the loss from Megatron's reports; instrument() adds what needs the logits.
+    # The tracker reports the loss from Megatron's reports; instrument() adds what needs the logits (and, with
+    # MoE layers, routing health; per layer too here: a small model, and the heat map of `plot` reads them).
     metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size),                  # <- plugin
-                                  TokenStatsMetric(vocab_size=args.vocab_size)])
+                                  TokenStatsMetric(vocab_size=args.vocab_size)],
+                         moe_per_layer=bool(args.moe_experts))
     tracker = MetricsTracker(                                                            # <- plugin
         log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
         padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
@@ -229,6 +262,12 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             _, grad_norm, _ = optimizer.step()
             values.update(loss=reports, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
+            if args.moe_experts:
+                # Megatron-LM's training_log reduces and clears megatron-core's aux-loss tracker every iteration
+                # (track_moe_metrics); a loop of its own clears it (the plugin only reads what each call adds).
+                from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+                clear_aux_losses_tracker()
         stopped_by = stop.agreed()
         if stopped_by is None and args.save_interval and step % args.save_interval == 0:
             save_checkpoint(args, chunks, optimizer, tracker, step)
@@ -337,6 +376,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--moe-experts", type=int, default=0,
+                        help="experts per layer (0: dense MLPs); logs the moe/ routing-health keys")
+    parser.add_argument("--moe-topk", type=int, default=2, help="experts per token (with --moe-experts)")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (with --moe-experts)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234, help="model initialisation and data")
     parser.add_argument("--run-name", default=os.environ.get("SLURM_JOB_NAME", "demo"))
@@ -392,7 +435,7 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
     problems = []
     at_least = {"steps": 1, "tp": 1, "pp": 1, "cp": 1, "log_interval": 1, "microbatches": 1,
                 "micro_batch_size": 1, "seq_length": 2, "vocab_size": 2, "layers": 1, "hidden_size": 1, "heads": 1,
-                "save_interval": 0}
+                "save_interval": 0, "moe_experts": 0, "moe_topk": 1, "ep": 1}
     if args.dp is not None:
         at_least["dp"] = 1
     if args.vpp is not None:
@@ -427,6 +470,19 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
         if args.device == "cpu":
             problems.append("--cp > 1 needs Transformer Engine's attention (megatron-core's local attention has "
                             "no context parallelism): run on GPUs under torchrun")
+    if args.moe_experts:
+        if args.moe_topk > args.moe_experts:
+            problems.append(f"--moe-topk {args.moe_topk} is more than --moe-experts {args.moe_experts}")
+        if args.moe_experts % args.ep:
+            problems.append(f"--moe-experts {args.moe_experts} is not divisible by --ep {args.ep}")
+        if args.dp is not None and (args.dp * args.cp) % args.ep:
+            problems.append(f"--ep {args.ep} does not divide --dp {args.dp} × --cp {args.cp} (expert-parallel "
+                            "ranks are data-parallel ranks)")
+        if args.tp > 1 and args.device == "cpu":
+            problems.append("MoE layers with --tp > 1 train only with sequence parallelism, which megatron-core's "
+                            "local layer norm does not support: use --tp 1 on CPU (or Transformer Engine on GPUs)")
+    elif args.ep > 1:
+        problems.append(f"--ep {args.ep} needs MoE layers (--moe-experts)")
     if args.save_interval % args.log_interval:
         problems.append(f"--save-interval {args.save_interval} is not a multiple of --log-interval "
                         f"{args.log_interval}: a checkpoint between log steps would lose the counts of the "
@@ -445,13 +501,20 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
 # ------------------------------------------------------------------ launching
 
 
+def _tests_on_path() -> None:
+    """The test suite's megatron-core support (the CPU shim, the MoE router without TE) becomes importable."""
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
 @contextlib.contextmanager
 def _megatron_on(device: str):
     """megatron-core calls CUDA directly; on CPU the test suite's shim redirects those calls."""
     if device != "cpu":
         yield
         return
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    _tests_on_path()
     from cuda_shim import cpu_cuda_shim
 
     with cpu_cuda_shim():
@@ -491,8 +554,9 @@ def _fork_cpu_ranks(args: argparse.Namespace) -> None:
 
     import twinkle_megatron  # noqa: F401
 
+    moe = f", {args.moe_experts} experts top-{args.moe_topk} per layer, EP{args.ep}" if args.moe_experts else ""
     print(f"{world_size} CPU ranks: TP{args.tp} × PP{args.pp}{f' (×{args.vpp} virtual)' if args.vpp else ''} "
-          f"× DP{args.dp}, {args.microbatches} microbatches of {args.micro_batch_size}×{args.seq_length} tokens "
+          f"× DP{args.dp}{moe}, {args.microbatches} microbatches of {args.micro_batch_size}×{args.seq_length} tokens "
           f"per DP rank, logging to {args.run_dir}", flush=True)
     context = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:

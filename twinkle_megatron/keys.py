@@ -93,3 +93,65 @@ TRACKER_KEYS: tuple[tuple[str, str], ...] = (
 
 # Counters that must stay exact (TensorBoard stores float32: exact only up to 2**24).
 EXACT_COUNTERS = (CONSUMED_TOKENS,)
+
+# moe/: MoE routing health (twinkle_megatron.megatron.moe_routing; formulas in its docstring). Aggregates
+# over the MoE layers; per-layer keys (opt-in) are moe_layer_key(layer, stat).
+MOE_PREFIX = "moe/"
+MOE_LAYERS = "moe/layers"
+MOE_TOKENS = "moe/tokens"
+MOE_UTILIZATION_MIN = "moe/utilization_min"
+MOE_UTILIZATION_CV = "moe/utilization_cv"
+MOE_DEAD_EXPERT_FRACTION = "moe/dead_expert_fraction"
+MOE_ROUTING_ENTROPY_NORM = "moe/routing_entropy_norm"
+MOE_IMBALANCE_MEAN = "moe/imbalance_mean"
+MOE_IMBALANCE_P50 = "moe/imbalance_p50"
+MOE_IMBALANCE_P90 = "moe/imbalance_p90"
+MOE_IMBALANCE_MAX = "moe/imbalance_max"
+MOE_IMBALANCE_WORST_LAYER = "moe/imbalance_worst_layer"
+MOE_NONFINITE_ROUTER_TOKENS = "moe/nonfinite_router_tokens"
+
+
+MOE_LAYER_PREFIX = "moe/layer_"
+
+
+def moe_layer_key(layer: int, stat: str) -> str:
+    """``moe/layer_{layer}/{stat}``: ``layer`` is the 0-based global layer index (Megatron's ``layer_number − 1``,
+    the index Megatron-LM's own per-layer keys ``moe/{loss}_layer_{i}`` use)."""
+    return f"{MOE_LAYER_PREFIX}{layer}/{stat}"
+
+
+# Every moe/ key with its meaning (the README's MoE key table). n_e: tokens routed to expert e in the interval,
+# T: tokens the layer's router saw (padding excluded), k: experts per token, E: experts, b = T·k/E.
+MOE_KEYS: tuple[tuple[str, str], ...] = (
+    (MOE_LAYERS, "MoE layers that routed tokens in the interval"),
+    (MOE_TOKENS, "tokens routed per MoE layer (mean over layers), summed over DP×CP×EP, each TP group once"),
+    (MOE_UTILIZATION_MIN, "lowest utilisation u_e = n_e / b of any expert of any layer (0: a dead expert)"),
+    (MOE_UTILIZATION_CV, "mean over layers of std_e(n_e) / mean_e(n_e) (population std)"),
+    (MOE_DEAD_EXPERT_FRACTION, "mean over layers of the share of experts with n_e = 0"),
+    (MOE_ROUTING_ENTROPY_NORM, "mean over layers of exp(mean_t H(softmax(router logits_t))) / E, in [1/E, 1]"),
+    (MOE_IMBALANCE_MEAN, "mean over layers of the imbalance max_e n_e / b (the layer's overload factor)"),
+    (MOE_IMBALANCE_P50, "median over layers of the imbalance (linear interpolation)"),
+    (MOE_IMBALANCE_P90, "90th percentile over layers of the imbalance (linear interpolation)"),
+    (MOE_IMBALANCE_MAX, "largest imbalance: the capacity factor at which no token would have been dropped"),
+    (MOE_IMBALANCE_WORST_LAYER, "0-based index of the layer with the largest imbalance (lowest on ties)"),
+    (MOE_PREFIX + "load_balancing_loss", "Megatron's aux loss (coefficient removed): summed over its TP×CP "
+                                         "group, mean over microbatches, DP and layers (when computed)"),
+    (MOE_PREFIX + "seq_load_balancing_loss", "the same for Megatron's sequence-level aux loss"),
+    (MOE_PREFIX + "global_load_balancing_loss", "the same for Megatron's global aux loss (summed over TP×DP×CP)"),
+    (MOE_PREFIX + "z_loss", "Megatron's router z-loss: mean of logsumexp(logits_t)² over all tokens of all ranks, "
+                            "mean over layers (when computed)"),
+    (MOE_NONFINITE_ROUTER_TOKENS, "(token, layer) pairs with non-finite router logits, left out of the entropy "
+                                  "(present when > 0)"),
+)
+
+# The per-layer statistics (with per_layer=True): moe_layer_key(i, stat) for each, and expert_{e}_utilization.
+MOE_LAYER_STATS: tuple[tuple[str, str], ...] = (
+    ("utilization_min", "min_e n_e / b"),
+    ("utilization_max", "max_e n_e / b: the layer's imbalance (overload factor)"),
+    ("utilization_cv", "std_e(n_e) / mean_e(n_e)"),
+    ("dead_expert_fraction", "share of experts with n_e = 0"),
+    ("routing_entropy_norm", "exp(mean_t H(softmax(router logits_t))) / E"),
+    ("expert_{e}_utilization", "n_e / b of expert e (the heat map's cells)"),
+    ("load_balancing_loss, seq_load_balancing_loss, global_load_balancing_loss, z_loss",
+     "the layer's value of each of Megatron's router losses it computed"),
+)

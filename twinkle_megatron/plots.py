@@ -243,7 +243,7 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
     except ImportError as error:
         raise MissingMatplotlib("matplotlib is not installed") from error
 
-    panels = [*PANELS, *(key_panel(key) for key in extra_keys)]
+    panels = [*PANELS, *moe_panels(log), *(key_panel(key) for key in extra_keys)]
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
     skipped = [panel.name for panel in panels if panel not in drawn]
@@ -286,3 +286,78 @@ def _has_data(log: RunLog, panel: Panel, present: set) -> bool:
 def _save(figure: Any, path: str) -> str:
     figure.savefig(path, format="png")
     return path
+
+
+# ------------------------------------------------------------------ MoE routing health (moe/ keys)
+
+_EXPERT_UTILIZATION = re.compile(r"^moe/layer_(\d+)/expert_(\d+)_utilization$")
+
+
+def _draw_moe_routing(axes: Any, log: RunLog) -> None:
+    """Imbalance across layers (mean, p90, max; 1 = balanced) on the left; shares in [0, 1] on the right."""
+    handles = [_line(axes, log, keys.MOE_IMBALANCE_MAX, "imbalance, worst layer", color="C3", linewidth=1.8),
+               _line(axes, log, keys.MOE_IMBALANCE_P90, "imbalance p90", color="C1", linewidth=1.5),
+               _line(axes, log, keys.MOE_IMBALANCE_MEAN, "imbalance mean", color="C0", linewidth=1.8)]
+    axes.axhline(1.0, color="black", linewidth=0.6, alpha=0.5)
+    right = _twin(axes, "share", "C2")
+    handles += [_line(right, log, keys.MOE_DEAD_EXPERT_FRACTION, "dead experts", color="C2", linestyle="--"),
+                _line(right, log, keys.MOE_ROUTING_ENTROPY_NORM, "exp(routing entropy) / experts", color="C4",
+                      linestyle="--")]
+    right.set_ylim(0, 1.05)
+    _finish(axes, handles, "max expert load / balanced load")
+
+
+def expert_load_grid(log: RunLog) -> Tuple[List[int], List[List[float]]]:
+    """``(layers, grid)`` of the last record with per-expert utilisation keys: ``grid[i][e]`` is expert ``e``'s
+    utilisation in layer ``layers[i]`` (NaN where the record lacks it); ``([], [])`` when no record has one."""
+    for record in reversed(log.records):
+        cells = {}
+        for key, value in record.items():
+            match = _EXPERT_UTILIZATION.match(key)
+            if match:
+                cells[int(match.group(1)), int(match.group(2))] = value
+        if cells:
+            layers = sorted({layer for layer, _ in cells})
+            experts = max(expert for _, expert in cells) + 1
+            return layers, [[cells.get((layer, e), math.nan) for e in range(experts)] for layer in layers]
+    return [], []
+
+
+def _draw_moe_load(axes: Any, log: RunLog) -> None:
+    """Layer × expert utilisation of the last interval; 1 (white) is the balanced share, 0 a dead expert."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    layers, grid = expert_load_grid(log)
+    finite = [value for row in grid for value in row if math.isfinite(value)]
+    top = max(2.0, max(finite, default=2.0))
+    image = axes.imshow(grid, aspect="auto", cmap="RdBu_r", norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top),
+                        interpolation="nearest")
+    axes.figure.colorbar(image, ax=axes, label="utilisation (1 = balanced)")
+    axes.set_xlabel("expert")
+    axes.set_ylabel("layer")
+    axes.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    experts = len(grid[0]) if grid else 0
+    if experts <= 32:
+        axes.set_xticks(range(experts))
+    for row, layer_values in enumerate(grid):  # dead experts stand out as crosses
+        for expert, value in enumerate(layer_values):
+            if value == 0:
+                axes.plot(expert, row, marker="x", color="black", markersize=6)
+
+
+def _moe_load_title(log: RunLog) -> str:
+    steps = [record["step"] for record in log.records if any(_EXPERT_UTILIZATION.match(k) for k in record)]
+    return f"Expert load, step {steps[-1]} (interval ending there)" if steps else "Expert load"
+
+
+def moe_panels(log: RunLog) -> List[Panel]:
+    """For a log with ``moe/`` keys (none otherwise: a dense run is not told it skipped MoE panels): the
+    routing-health line panel, and the expert-load heat map when the log has per-layer load keys."""
+    if not any(key.startswith(keys.MOE_PREFIX) for key in log.keys):
+        return []
+    panels = [Panel("moe_routing", "MoE routing health", (keys.MOE_IMBALANCE_MEAN, keys.MOE_IMBALANCE_MAX,
+                                                          keys.MOE_DEAD_EXPERT_FRACTION), _draw_moe_routing)]
+    load_keys = tuple(key for key in log.keys if _EXPERT_UTILIZATION.match(key))
+    if load_keys:
+        panels.append(Panel("moe_load", _moe_load_title, load_keys, _draw_moe_load))
+    return panels

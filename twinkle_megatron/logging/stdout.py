@@ -39,7 +39,8 @@ class StdoutBackend(Backend):
 
     Non-zero anomaly counts (non-finite values, a loss spike, OOMs, allocation
     retries) are appended in capitals so they stand out. With ``all_keys`` every
-    other numeric key is appended too (metrics of the collection, ``eval/*``).
+    other numeric key is appended too (metrics of the collection, ``eval/*``), except
+    per-layer MoE keys (``moe/layer_*``: layers × experts, for files and charts).
     """
 
     name = "stdout"
@@ -53,7 +54,8 @@ class StdoutBackend(Backend):
         parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
         if self.all_keys:
             parts += [f"{key} {_plain(value)}" for key, value in record.items()
-                      if key not in _SHOWN and key not in _ALARMS and not key.startswith(keys.MEMORY_PREFIX)]
+                      if key not in _SHOWN and key not in _ALARMS and not key.startswith(keys.MEMORY_PREFIX)
+                      and not key.startswith(keys.MOE_LAYER_PREFIX)]
         parts += [f"{_alarm(key)} {_plain(record[key])}" for key in _ALARMS if record.get(key)]
         print(" | ".join(parts), file=self.stream or sys.stdout, flush=True)
 

@@ -39,6 +39,7 @@ from ..metric.base import Number, StateValues
 from ..metric.logits_pass import logits_token_stats
 from ..parallel import ParallelContext
 from .loss_reports import loss_func_result
+from .moe_routing import attach_moe_routing
 
 
 class MetricHookError(RuntimeError):
@@ -90,7 +91,8 @@ class MegatronInstrumentation:
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                  metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
-                 group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id") -> None:
+                 group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
+                 moe_routing: bool = True, moe_per_layer: bool = False) -> None:
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names)
         self._failures = HookFailures()
@@ -115,6 +117,11 @@ class MegatronInstrumentation:
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(gpt.output_layer.register_forward_hook(
                 functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
+        # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
+        self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
+            if moe_routing else None
+        if self.moe is not None:
+            self.metrics.add_metric(self.moe.metric)
 
     # ------------------------------------------------------------------ hooks
 
@@ -262,6 +269,8 @@ class MegatronInstrumentation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.moe is not None:
+            self.moe.detach()
         self._captured = None
 
     def __enter__(self) -> MegatronInstrumentation:
@@ -274,7 +283,8 @@ class MegatronInstrumentation:
 def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
-               group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id") -> MegatronInstrumentation:
+               group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
+               moe_routing: bool = True, moe_per_layer: bool = False) -> MegatronInstrumentation:
     """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
 
     ``model`` is a model or the list of model chunks (virtual pipeline stages)
@@ -295,9 +305,14 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     group of each sample read from its batch's ``group_key`` (``dataset_id``,
     as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
     with :meth:`MegatronInstrumentation.record_group_ids`.
+
+    A model with megatron-core MoE layers also reports routing health (``moe/...``
+    keys, see :mod:`.moe_routing`) in the same sync; ``moe_routing=False`` leaves
+    the routers alone, ``moe_per_layer=True`` adds the per-layer keys.
     """
     return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
-                                   loss_key=loss_key, group_names=group_names, group_key=group_key)
+                                   loss_key=loss_key, group_names=group_names, group_key=group_key,
+                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer)
 
 
 # ------------------------------------------------------------------ helpers
