@@ -23,6 +23,11 @@ PACKAGE = Path(twinkle_megatron.__file__).parent
 MODULES = sorted(name for _, name, _ in pkgutil.walk_packages([str(PACKAGE)], "twinkle_megatron.")
                  if name != "twinkle_megatron.ops.triton_token_stats")  # needs Triton; scanned as text below
 FILES = sorted(PACKAGE.rglob("*.py"))
+# Private names of other packages read on purpose, each for want of a public API.
+EXTERNAL_PRIVATE = {
+    "torch._C": "moe_routing: _current_graph_task_id tells a forward recomputed inside backward",
+    "_version": "moe_routing: a tensor's version counter tells whether Megatron's aux-loss tracker was written",
+}
 # Which layers each layer may import (besides itself and the top-level keys module).
 ALLOWED = {
     "parallel": set(),
@@ -69,7 +74,8 @@ def test_no_private_name_is_imported_or_read_across_modules(path):
             owner = node.value
             is_self = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
             is_super = isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
-            if not (is_self or is_super):
+            external = ast.unparse(node) in EXTERNAL_PRIVATE or node.attr in EXTERNAL_PRIVATE
+            if not (is_self or is_super or external):
                 offences.append(f"line {node.lineno}: reads {ast.unparse(node)}")
     assert not offences, "\n".join(offences)
 

@@ -99,7 +99,12 @@ class MegatronInstrumentation:
         self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
         user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
-        self.metrics = MetricCollection([*user_metrics, self._failures])
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
+        self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
+            if moe_routing else None
+        moe_metrics = [self.moe.metric] if self.moe is not None else []
+        self.metrics = MetricCollection([*user_metrics, *moe_metrics, self._failures])
         self.vocab_size = _shared_vocab_size(vocab_size, user_metrics)
         self.ignore_index = ignore_index
         self.loss_key = loss_key
@@ -110,18 +115,12 @@ class MegatronInstrumentation:
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         for gpt in _language_models(chunks):
             # The signature is read once here, not per microbatch.
             before = functools.partial(self._before_model, inspect.signature(gpt.forward))
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(gpt.output_layer.register_forward_hook(
                 functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
-        # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
-        self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
-            if moe_routing else None
-        if self.moe is not None:
-            self.metrics.add_metric(self.moe.metric)
 
     # ------------------------------------------------------------------ hooks
 

@@ -128,6 +128,8 @@ class MoERoutingMetric(Metric):
         per_layer: also report ``moe/layer_{i}/...`` keys.
     """
 
+    every_rank_counts = True  # every rank holds its own stage's rows; duplicates (TP) are never recorded
+
     def __init__(self, num_layers: int, num_experts: int, topk: int, *, per_layer: bool = False,
                  device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
@@ -205,14 +207,6 @@ class MoERoutingMetric(Metric):
         self._states[name].select(0, row).add_(value)
 
     # --------------------------------------------------------------- syncing
-
-    def _counts_here(self) -> bool:
-        return True  # every rank holds its own stage's rows; duplicates (TP) are never recorded
-
-    def _is_primary(self) -> bool:
-        """One rank of the whole reduction group holds loaded sums (every rank counts here)."""
-        context = self.context
-        return not context.distributed or dist.get_rank(context.reduce_group) == 0
 
     def load_state_dict(self, state_dict: Any) -> None:
         super().load_state_dict(state_dict)

@@ -355,8 +355,11 @@ class Metric(_Base):
         self._states = loaded
 
     def _is_primary(self) -> bool:
-        """The one rank that holds the loaded sums: its data counts, and it is DP and CP rank 0."""
+        """The one rank that holds the loaded sums: its data counts, and it is DP and CP rank 0 (for a metric
+        every rank counts in, rank 0 of the reduction group)."""
         context = self.context
+        if self.every_rank_counts:
+            return not context.distributed or dist.get_rank(context.reduce_group) == 0
         return context.holds_data(bool(self.cp_gathered)) and context.dp_rank == 0 and context.cp_rank == 0
 
     # ------------------------------------------------------- Twinkle helpers
