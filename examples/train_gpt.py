@@ -15,8 +15,12 @@ adds three things, marked ``# <- plugin``:
   written to stdout, ``RUN_DIR/metrics.jsonl`` and TensorBoard when installed.
 
 The task is synthetic and learnable (each sequence counts up from a random start
-by a random stride of 1–3, modulo the vocabulary): the loss falls and the
-accuracy rises within a few dozen steps.
+by a random stride, modulo the vocabulary): the loss falls and the accuracy rises
+within a few dozen steps. Two corpora, an easy one (stride 1) and a hard one
+(strides 1–5, a fifth of the targets random), are blended 50/50 by megatron-core's
+own ``BlendedDataset``, whose samples carry a ``dataset_id``: the metrics are
+logged per corpus too (``loss/easy``, ``loss/hard``, ``accuracy/hard``...), where
+the harder corpus stays higher.
 
 The data of a step is a pure function of ``(seed, step, microbatch, DP rank)``,
 so a run resumed from a checkpoint sees exactly what an uninterrupted run saw.
@@ -60,7 +64,7 @@ import tempfile
 import warnings
 from datetime import timedelta
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 # SIGUSR1 / SIGTERM (Slurm's time-limit warning, preemption) may come while torch imports, which takes
 # seconds: record them from here on (when run as a script); StopRequest reads them at the end of each step.
@@ -103,23 +107,69 @@ def forward_step(data_iterator, model):
 # ------------------------------------------------------------------ data and model
 
 
-def counting_batch(args: argparse.Namespace, step: int, microbatch: int, dp_rank: int) -> dict:
-    """``[micro_batch, seq]`` sequences ``start + stride·i (mod vocab)``; the first target is masked.
+# The two corpora of the blend: one easy (stride 1), one hard (strides 1-5 and a fifth of the targets random,
+# so its loss cannot fall as far). Per-dataset metrics show them apart where the blended loss averages them.
+CORPORA = {"easy": (1, 0.0), "hard": (5, 0.2)}  # name: (largest stride, share of random targets)
 
-    A pure function of ``(seed, step, microbatch, dp_rank)``: data-parallel ranks see different
-    sequences, the ranks of one model replica the same, and a resumed run the same as an
-    uninterrupted one.
+
+def counting_sequence(args: argparse.Namespace, corpus: str, index: int) -> dict:
+    """Sample ``index`` of ``corpus``: ``start + stride·i (mod vocab)``, some targets random; the first one masked.
+
+    A pure function of ``(seed, corpus, index)``, so a resumed run sees what an uninterrupted one saw.
     """
-    key = f"{args.seed}/{step}/{microbatch}/{dp_rank}".encode()
+    largest_stride, noise = CORPORA[corpus]
+    key = f"{args.seed}/{corpus}/{index}".encode()
     generator = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
-    size = (args.micro_batch_size, 1)
-    start = torch.randint(0, args.vocab_size, size, generator=generator)
-    stride = torch.randint(1, 4, size, generator=generator)
+    start = torch.randint(0, args.vocab_size, (1,), generator=generator)
+    stride = torch.randint(1, largest_stride + 1, (1,), generator=generator)
     stream = (start + stride * torch.arange(args.seq_length + 1)) % args.vocab_size
-    loss_mask = torch.ones(args.micro_batch_size, args.seq_length)
-    loss_mask[:, :1] = 0  # the stride is unknowable from one token
-    return {"tokens": stream[:, :-1], "labels": stream[:, 1:], "loss_mask": loss_mask,
-            "position_ids": torch.arange(args.seq_length).expand(args.micro_batch_size, -1)}
+    random_targets = torch.rand(args.seq_length + 1, generator=generator) < noise
+    stream = torch.where(random_targets, torch.randint(0, args.vocab_size, stream.shape, generator=generator), stream)
+    loss_mask = torch.ones(args.seq_length)
+    loss_mask[:1] = 0  # the stride is unknowable from one token
+    return {"tokens": stream[:-1], "labels": stream[1:], "loss_mask": loss_mask}
+
+
+def blended_dataset(args: argparse.Namespace, samples: int):
+    """The corpora blended 50/50 by megatron-core's own ``BlendedDataset``: each sample carries its ``dataset_id``."""
+    import numpy
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+    from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+    from megatron.core.datasets.megatron_dataset import MegatronDataset
+    from megatron.core.datasets.utils import Split
+
+    class Corpus(MegatronDataset):
+        """One synthetic corpus as megatron-core's mid-level dataset (what a GPTDataset is for real data)."""
+
+        @staticmethod
+        def numel_low_level_dataset(low_level_dataset: Any) -> int:
+            return samples
+
+        @staticmethod
+        def build_low_level_dataset(dataset_path: str, config: Any) -> Any:
+            return dataset_path
+
+        def __len__(self) -> int:
+            return samples
+
+        def __getitem__(self, index: int) -> dict:
+            return counting_sequence(args, self.dataset, int(index))
+
+    config = BlendedMegatronDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, split="1,0,0",
+                                          tokenizer=None)
+    corpora = [Corpus(name, name, numpy.arange(samples), samples, Split.train, config) for name in CORPORA]
+    return BlendedDataset(corpora, [1.0 / len(corpora)] * len(corpora), samples, config)
+
+
+def blended_batch(args: argparse.Namespace, blend, step: int, microbatch: int, dp_rank: int, dp_size: int) -> dict:
+    """Microbatch ``microbatch`` of data-parallel rank ``dp_rank`` at ``step``: consecutive samples of the blend
+    (Megatron-LM's pretraining sampler), stacked, with each sample's ``dataset_id``."""
+    first = (((step - 1) * args.microbatches + microbatch) * dp_size + dp_rank) * args.micro_batch_size
+    samples = [blend[first + i] for i in range(args.micro_batch_size)]
+    batch = {key: torch.stack([sample[key] for sample in samples]) for key in ("tokens", "labels", "loss_mask")}
+    batch["dataset_id"] = torch.tensor([int(sample["dataset_id"]) for sample in samples])
+    batch["position_ids"] = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
+    return batch
 
 
 def this_cp_rank(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,7 +178,7 @@ def this_cp_rank(tensor: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    if cp == 1:
+    if cp == 1 or tensor.dim() == 1:  # per-sample entries (dataset_id) have no sequence to split
         return tensor
     chunks = tensor.chunk(2 * cp, dim=1)
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
@@ -216,7 +266,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from twinkle_megatron import Accuracy, MetricsTracker, TokenStatsMetric
+    from twinkle_megatron import Accuracy, LossMetric, MetricsTracker, TokenStatsMetric
     from twinkle_megatron.megatron import instrument
 
     stop = StopRequest()
@@ -236,32 +286,38 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     if not args.resume and dist.get_rank() == 0 and os.path.exists(log_path):
         os.remove(log_path)  # a fresh run, not one appended to an older run's log
     dist.barrier()
-    # The tracker reports the loss from Megatron's reports; instrument() adds what needs the logits (and, with
-    # MoE layers, routing health; per layer too here: a small model, and the heat map of `plot` reads them).
-    metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size),                  # <- plugin
-                                  TokenStatsMetric(vocab_size=args.vocab_size)],
+    # instrument() computes what needs the logits, and the loss, over the blend and per corpus (each sample's
+    # dataset_id read as the schedule pulls its batch); with MoE layers routing health too (per layer here: a
+    # small model, and the heat map of `plot` reads them).
+    corpora = {"group_names": list(CORPORA)}
+    metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size, **corpora),      # <- plugin
+                                  TokenStatsMetric(vocab_size=args.vocab_size, **corpora), LossMetric(**corpora)],
                          moe_per_layer=bool(args.moe_experts))
     tracker = MetricsTracker(                                                            # <- plugin
         log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
         padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
         global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir)
     first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
+    blend = blended_dataset(args, args.steps * global_batch_size)
 
     step, stopped_by = first_step - 1, None
     for step in range(first_step, args.steps + 1):
         with tracker.step(step) as values:                                               # <- plugin
-            microbatches = [counting_batch(args, step, index, dp_rank) for index in range(args.microbatches)]
+            microbatches = [blended_batch(args, blend, step, index, dp_rank, ps.get_data_parallel_world_size())
+                            for index in range(args.microbatches)]
             microbatches = [{k: this_cp_rank(v).to(device) for k, v in mb.items()} for mb in microbatches]
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            reports = forward_backward(
+            forward_backward(
                 forward_step_func=metrics.wrap(forward_step),                            # <- plugin
                 data_iterator=[iter(microbatches) for _ in chunks] if args.vpp else iter(microbatches),
                 model=chunks if args.vpp else chunks[0], num_microbatches=args.microbatches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             _, grad_norm, _ = optimizer.step()
-            values.update(loss=reports, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
+            # The loss comes from instrument()'s LossMetric (per corpus too); the tokens from the loss masks.
+            values.update(grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"],
+                          tokens=sum(mb["loss_mask"].sum() for mb in microbatches))
             if args.moe_experts:
                 # Megatron-LM's training_log reduces and clears megatron-core's aux-loss tracker every iteration
                 # (track_moe_metrics); a loop of its own clears it (the plugin only reads what each call adds).

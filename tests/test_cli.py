@@ -76,6 +76,20 @@ def test_plot_writes_every_panel_of_a_full_run(tmp_path, capsys):
     assert "skipped" not in printed
 
 
+def test_plot_draws_per_dataset_curves_on_one_panel(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    records = [{"step": step, "loss": 2.0, "loss/web": 3.0 - step / 100, "loss/code": 1.0 + step / 200,
+                "accuracy/web": 0.3, "accuracy/code": step / 200} for step in range(10, 101, 10)]
+    log = write_jsonl(tmp_path / "metrics.jsonl", records)
+    out = tmp_path / "plots"
+    assert run_cli("plot", log, "-o", str(out)) == 0
+    assert "datasets.png" in os.listdir(out)
+    assert_png(str(out / "datasets.png"))
+    assert run_cli("summary", log) == 0
+    printed = capsys.readouterr().out
+    assert "loss/web" in printed and "accuracy/code" in printed
+
+
 def test_plot_of_a_real_cpu_tracker_log_skips_what_cpu_runs_lack(tmp_path, capsys):
     """The tracker's own JSONL (CPU: no memory, no MFU) → the charts it can have, default output dir."""
     pytest.importorskip("matplotlib")

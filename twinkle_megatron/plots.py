@@ -243,7 +243,7 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
     except ImportError as error:
         raise MissingMatplotlib("matplotlib is not installed") from error
 
-    panels = [*PANELS, *moe_panels(log), *(key_panel(key) for key in extra_keys)]
+    panels = [*PANELS, *dataset_panels(log), *moe_panels(log), *(key_panel(key) for key in extra_keys)]
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
     skipped = [panel.name for panel in panels if panel not in drawn]
@@ -348,6 +348,36 @@ def _draw_moe_load(axes: Any, log: RunLog) -> None:
 def _moe_load_title(log: RunLog) -> str:
     steps = [record["step"] for record in log.records if any(_EXPERT_UTILIZATION.match(k) for k in record)]
     return f"Expert load, step {steps[-1]} (interval ending there)" if steps else "Expert load"
+
+
+# ------------------------------------------------------------------ per dataset (group_names)
+
+_GROUPED = re.compile(r"^(loss|accuracy)/([^/]+)$")
+
+
+def _groups(log: RunLog, statistic: str) -> List[str]:
+    return [match.group(2) for key in log.keys if (match := _GROUPED.match(key)) and match.group(1) == statistic]
+
+
+def _draw_datasets(axes: Any, log: RunLog) -> None:
+    """Each dataset's loss (solid, left) and token accuracy (dashed, right), one colour per dataset."""
+    groups = sorted(set(_groups(log, "loss")) | set(_groups(log, "accuracy")))
+    handles = [_line(axes, log, f"loss/{group}", f"loss: {group}", color=f"C{index}", linewidth=1.8)
+               for index, group in enumerate(groups)]
+    if _groups(log, "accuracy"):
+        right = _twin(axes, "token accuracy", "black")
+        handles += [_line(right, log, f"accuracy/{group}", f"accuracy: {group}", color=f"C{index}", linestyle="--",
+                          linewidth=1.4) for index, group in enumerate(groups)]
+        from matplotlib.ticker import PercentFormatter
+
+        right.yaxis.set_major_formatter(PercentFormatter(1.0))
+    _finish(axes, handles, "loss")
+
+
+def dataset_panels(log: RunLog) -> List[Panel]:
+    """For a log with per-dataset keys (``loss/<name>``, ``accuracy/<name>``): their curves on one panel."""
+    keys_present = tuple(key for key in log.keys if _GROUPED.match(key))
+    return [Panel("datasets", "Per dataset", keys_present, _draw_datasets)] if keys_present else []
 
 
 def moe_panels(log: RunLog) -> List[Panel]:
