@@ -49,6 +49,15 @@ def test_stdout_line(capsys):
                     "step_time 1.500s | NONFINITE_LOSS_STEPS 1")
 
 
+def test_stdout_prints_per_dataset_keys_like_their_metric(capsys):
+    logger = MetricsLogger([StdoutBackend()])
+    logger.log({"accuracy": 0.5, "accuracy/easy": 1.0, "correct_tokens/easy": 2480.0, "total_tokens/easy": 2480.0,
+                "loss/hard": 3.339912, "eval/accuracy": 0.25, "rewards/margins": 0.123456789}, 3)
+    line = capsys.readouterr().out.strip()
+    assert line == ("step 3 | accuracy 0.5000 | accuracy/easy 1.0000 | loss/hard 3.3399 | eval/accuracy 0.25 | "
+                    "rewards/margins 0.123457")
+
+
 class ExplodingBackend(Backend):
     name = "exploding"
 

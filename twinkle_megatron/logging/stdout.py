@@ -28,8 +28,12 @@ _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     (keys.MEMORY_UTILIZATION, "mem_util", lambda v: f"{v:.0%}"),
 )
 # Shown above, or only of interest in charts.
-_SHOWN = {key for key, _, _ in _LINE} | {keys.CONSUMED_TOKENS, keys.TOKENS_PER_SECOND_EMA, keys.MFU_EMA,
-                                        keys.STEP_TIME_EMA, "correct_tokens", "total_tokens"}
+_COUNTS = {"correct_tokens", "total_tokens"}
+_SHOWN = {key for key, _, _ in _LINE} | _COUNTS | {keys.CONSUMED_TOKENS, keys.TOKENS_PER_SECOND_EMA,
+                                                  keys.MFU_EMA, keys.STEP_TIME_EMA}
+# A per-dataset key ``accuracy/<dataset>`` is printed like ``accuracy`` (and hidden like
+# ``correct_tokens``), so the line reads the same with and without ``group_names``.
+_FORMAT_OF = {key: fmt for key, _, fmt in _LINE}
 _ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_GRAD_NORM_STEPS, keys.LOSS_SPIKE, keys.MEMORY_OOMS,
            keys.MEMORY_ALLOC_RETRIES, keys.METRIC_HOOK_FAILURES)
 
@@ -53,11 +57,21 @@ class StdoutBackend(Backend):
         parts = [f"step {step}"]
         parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
         if self.all_keys:
-            parts += [f"{key} {_plain(value)}" for key, value in record.items()
-                      if key not in _SHOWN and key not in _ALARMS and not key.startswith(keys.MEMORY_PREFIX)
-                      and not key.startswith(keys.MOE_LAYER_PREFIX)]
+            parts += [f"{key} {_format(key, value)}" for key, value in record.items()
+                      if key not in _SHOWN and _base(key) not in _COUNTS and key not in _ALARMS
+                      and not key.startswith(keys.MEMORY_PREFIX) and not key.startswith(keys.MOE_LAYER_PREFIX)]
         parts += [f"{_alarm(key)} {_plain(record[key])}" for key in _ALARMS if record.get(key)]
         print(" | ".join(parts), file=self.stream or sys.stdout, flush=True)
+
+
+def _base(key: str) -> str:
+    """``accuracy/easy`` → ``accuracy``; a key without ``/`` is its own base."""
+    return key.rsplit("/", 1)[0]
+
+
+def _format(key: str, value: float) -> str:
+    fmt = _FORMAT_OF.get(_base(key))
+    return fmt(value) if fmt is not None and isinstance(value, float) else _plain(value)
 
 
 def _plain(value: float) -> str:
