@@ -7,7 +7,7 @@ Without a CUDA device it prints that there is none and exits 0. With one:
 
 1. **tests** -- ``pytest tests/test_triton_token_stats.py tests/test_kernel_select.py`` in a
    subprocess (on a GPU the kernel tests compile the kernel instead of interpreting it).
-2. **correctness** -- the cases of ``tests/test_ops.py`` on CUDA tensors through the torch
+2. **correctness** -- the cases of ``tests/kit/ops_cases.py`` on CUDA tensors through the torch
    path (chunk sizes 1, 7 and the 64 MiB GPU default) and the Triton kernel, against the
    float64 reference; the kernel against the torch path on ``--tokens`` x V bf16 logits with
    padding, ties, NaN/inf rows, ignored and out-of-range labels (all tokens), and against
@@ -225,7 +225,7 @@ def section_tests(timeout: int = 600) -> list[Row]:
 
 
 def section_ops_cases(device: torch.device) -> list[Row]:
-    import test_ops as cases
+    from kit import ops_cases as cases
 
     from twinkle_megatron.ops import vocab_parallel_argmax, vocab_parallel_token_stats
 

@@ -452,7 +452,7 @@ def _megatron_on(device: str):
         yield
         return
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from cuda_shim import cpu_cuda_shim
+    from kit.cuda_shim import cpu_cuda_shim
 
     with cpu_cuda_shim():
         yield

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from distributed import Layout, run_distributed
+from kit.distributed import Layout, run_distributed
 
 from twinkle_megatron import Accuracy, LossMetric, MetricCollection, ParallelContext
 
