@@ -119,12 +119,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from megatron_moe import allow_router_without_te
+        from kit.megatron_moe import allow_router_without_te
 
         allow_router_without_te()
         shim = contextlib.nullcontext()
         if not torch.cuda.is_available():
-            from cuda_shim import cpu_cuda_shim
+            from kit.cuda_shim import cpu_cuda_shim
 
             shim = cpu_cuda_shim()
         with shim:

@@ -7,7 +7,7 @@ Without a CUDA device it prints that there is none and exits 0. With one:
 
 1. **tests** -- ``pytest tests/test_triton_token_stats.py tests/test_kernel_select.py`` in a
    subprocess (on a GPU the kernel tests compile the kernel instead of interpreting it).
-2. **correctness** -- the cases of ``tests/test_ops.py`` on CUDA tensors through the torch
+2. **correctness** -- the cases of ``tests/kit/ops_cases.py`` on CUDA tensors through the torch
    path (chunk sizes 1, 7 and the 64 MiB GPU default) and the Triton kernel, against the
    float64 reference; the kernel against the torch path on ``--tokens`` x V bf16 logits with
    padding, ties, NaN/inf rows, ignored and out-of-range labels (all tokens), and against
@@ -225,7 +225,7 @@ def section_tests(timeout: int = 600) -> list[Row]:
 
 
 def section_ops_cases(device: torch.device) -> list[Row]:
-    import test_ops as cases
+    from kit import ops_cases as cases
 
     from twinkle_megatron.ops import vocab_parallel_argmax, vocab_parallel_token_stats
 
@@ -290,17 +290,9 @@ def compare(name: str, ours: tuple, ref: tuple, tol: float) -> list[str]:
     return problems
 
 
-def float64_reference(x: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> tuple:
-    full = x[:, :vocab_size].double()
-    lsm = torch.log_softmax(full, dim=-1)
-    lp = lsm.gather(-1, labels.clamp(0, vocab_size - 1).unsqueeze(-1)).squeeze(-1)
-    valid = torch.isfinite(full).all(-1) & (labels >= 0) & (labels < vocab_size)
-    lp = torch.where(valid, lp, math.nan)
-    lp = torch.where(labels == -100, 0.0, lp)
-    return full.argmax(-1), lp, -(lsm.exp() * lsm).sum(-1)
-
-
 def section_kernel_vs_torch(device: torch.device, tokens: int, vocabs: Sequence[int]) -> list[Row]:
+    from kit.references import full_vocab_stats
+
     from twinkle_megatron.ops import vocab_parallel_token_stats
 
     rows = []
@@ -310,7 +302,7 @@ def section_kernel_vs_torch(device: torch.device, tokens: int, vocabs: Sequence[
         kernel = tuple(vocab_parallel_token_stats(x, labels, vocab_size=vocab_size, kernel="triton"))
         torch_path = tuple(vocab_parallel_token_stats(x, labels, vocab_size=vocab_size, kernel="torch"))
         problems += compare("kernel vs torch path", kernel, torch_path, 2e-5)
-        exact = float64_reference(x[:F64_TOKENS], labels[:F64_TOKENS], vocab_size)
+        exact = tuple(full_vocab_stats(x[:F64_TOKENS], labels[:F64_TOKENS], vocab_size))
         problems += compare("kernel vs float64", tuple(t[:F64_TOKENS] for t in kernel), exact, 1e-5)
         problems += compare("torch path vs float64", tuple(t[:F64_TOKENS] for t in torch_path), exact, 1e-5)
         rows.append(Row("correctness", f"kernel vs torch path vs float64, {tokens}x{vocab} bf16",

@@ -204,9 +204,9 @@ def moe_config_kwargs(args: argparse.Namespace, cpu: bool) -> dict:
     if not args.moe_experts:
         return {}
     _tests_on_path()
-    from megatron_moe import allow_router_without_te
+    from kit.megatron_moe import allow_router_without_te
 
-    allow_router_without_te()  # megatron-core 0.16's router without Transformer Engine (see tests/megatron_moe.py)
+    allow_router_without_te()  # megatron-core 0.16's router without Transformer Engine (see tests/kit/megatron_moe.py)
     return dict(
         num_moe_experts=args.moe_experts, moe_router_topk=args.moe_topk, expert_model_parallel_size=args.ep,
         # The all-to-all dispatcher needs CUDA (its split sizes become lists only from CUDA tensors).
@@ -571,7 +571,7 @@ def _megatron_on(device: str):
         yield
         return
     _tests_on_path()
-    from cuda_shim import cpu_cuda_shim
+    from kit.cuda_shim import cpu_cuda_shim
 
     with cpu_cuda_shim():
         yield

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import megatron_rank_shard, split_microbatches
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant, calculate_or_error
+from kit.references import accuracy_reference, full_vocab_stats
 
 from twinkle_megatron import Accuracy, Metric, MetricCollection
 from twinkle_megatron.metric.inputs import microbatches, token_mask
@@ -31,56 +32,33 @@ def global_batch(seed: int = 0) -> dict:
     return {"logits": logits, "labels": labels, "completion_mask": completion_mask}
 
 
-def reference() -> dict:
-    batch = global_batch()
-    predictions = batch["logits"][..., :VOCAB].argmax(-1)
-    mask = (batch["labels"] != -100) & batch["completion_mask"]
-    correct = int(((predictions == batch["labels"]) & mask).sum())
-    total = int(mask.sum())
-    return {"accuracy": correct / total, "correct_tokens": correct, "total_tokens": total}
-
-
-def vocab_shard(logits: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    width = logits.shape[-1] // tp
-    return logits[..., rank * width:(rank + 1) * width]
-
-
-def _accuracy_on_rank(num_microbatches: int, as_list: bool, megatron_layout: bool) -> dict:
-    from megatron.core import parallel_state as ps
-
-    batch = {k: megatron_rank_shard(v) for k, v in global_batch().items()}
-    metric = Accuracy(vocab_size=VOCAB)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        logits = vocab_shard(batch["logits"])
-        inputs = [{"labels": labels, "completion_mask": mask} for labels, mask in
-                  zip(split_microbatches(batch["labels"], num_microbatches),
-                      split_microbatches(batch["completion_mask"], num_microbatches))]
-        if as_list:
-            logits = split_microbatches(logits, num_microbatches)
-            if megatron_layout:
-                logits = [mb.transpose(0, 1).contiguous() for mb in logits]
-        elif megatron_layout:
-            logits = logits.transpose(0, 1).contiguous()
-        with forbid_host_sync():
-            metric.accumulate(inputs, {"logits": logits})
-    return metric.calculate()
+def feed_megatron_style(metric: Accuracy, batch: dict, view: RankView, variant: tuple) -> list[Call]:
+    """The last stage passes its DP rows / CP chunks / vocab shard, whole or per microbatch, [b,s,v] or [s,b,v]."""
+    num_microbatches, as_list, megatron_layout = variant
+    if not view.last_stage:
+        return []
+    local = {k: view.tokens(v) for k, v in batch.items()}
+    logits = view.vocab(local["logits"])
+    inputs = [{"labels": labels, "completion_mask": mask} for labels, mask in
+              zip(split_microbatches(local["labels"], num_microbatches),
+                  split_microbatches(local["completion_mask"], num_microbatches))]
+    if as_list:
+        logits = split_microbatches(logits, num_microbatches)
+        if megatron_layout:
+            logits = [mb.transpose(0, 1).contiguous() for mb in logits]
+    elif megatron_layout:
+        logits = logits.transpose(0, 1).contiguous()
+    return [Call(inputs, {"logits": logits})]
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2), Layout(tp=2, pp=2), Layout(tp=2, pp=2, dp=2),
                                     Layout(tp=2, cp=2), Layout(tp=4), Layout()], ids=str)
 def test_accuracy_matches_full_vocabulary_reference(layout):
-    expected = reference()
-    for num_microbatches, as_list, megatron_layout in [(1, True, False), (2, True, True), (2, False, False),
-                                                       (4, True, False), (4, False, True)]:
-        results = run_distributed(_accuracy_on_rank, layout=layout,
-                                  args=(num_microbatches, as_list, megatron_layout))
-        assert all(r == results[0] for r in results), results
-        assert results[0]["correct_tokens"] == expected["correct_tokens"]
-        assert results[0]["total_tokens"] == expected["total_tokens"]
-        assert results[0]["accuracy"] == pytest.approx(expected["accuracy"], rel=1e-12)
+    batch = global_batch()
+    assert_layout_invariant(
+        lambda _: Accuracy(vocab_size=VOCAB), batch, [layout], feed=feed_megatron_style,
+        variants=[(1, True, False), (2, True, True), (2, False, False), (4, True, False), (4, False, True)],
+        expected=accuracy_reference(batch["logits"], batch["labels"], batch["completion_mask"], VOCAB), rel=1e-12)
 
 
 def test_ties_go_to_the_lowest_index_like_torch_argmax():
@@ -110,27 +88,23 @@ class MeanEntropy(Metric):
         return {"entropy": states["entropy_sum"] / states["tokens"]} if states["tokens"] else {}
 
 
-def _shared_pass() -> tuple[dict, dict]:
-    batch = global_batch()
-    collection = MetricCollection([Accuracy(vocab_size=VOCAB), MeanEntropy()])
-    inputs = [{"labels": labels} for labels in split_microbatches(batch["labels"], 2)]
-    with count_collectives() as counts:
-        collection.accumulate(inputs, {"logits": split_microbatches(vocab_shard(batch["logits"]), 2)})
-    return dict(counts), collection.calculate()
+def feed_two_microbatches(collection: MetricCollection, batch: dict, view: RankView, _) -> list[Call]:
+    inputs = [{"labels": labels} for labels in split_microbatches(view.tokens(batch["labels"]), 2)]
+    return [Call(inputs, {"logits": split_microbatches(view.vocab(view.tokens(batch["logits"])), 2)})]
 
 
 def test_metrics_reading_the_same_logits_share_one_pass():
-    results = run_distributed(_shared_pass, layout=Layout(tp=2))
     batch = global_batch()
-    full = batch["logits"][..., :VOCAB].double()
-    mask = batch["labels"] != -100
-    entropy = -(full.softmax(-1) * full.log_softmax(-1)).sum(-1)
-    for counts, result in results:
-        assert counts == {"all_reduce": 4}, "two microbatches × two TP collectives, whatever the number of readers"
-        assert result["entropy"] == pytest.approx(float(entropy[mask].mean()), rel=1e-5)
+    stats = full_vocab_stats(batch["logits"], vocab_size=VOCAB)
+    expected = {**accuracy_reference(batch["logits"], batch["labels"], vocab_size=VOCAB),
+                "entropy": float(stats.entropy[batch["labels"] != -100].mean())}
+    # Two microbatches × two TP collectives, whatever the number of readers.
+    assert_layout_invariant(lambda _: MetricCollection([Accuracy(vocab_size=VOCAB), MeanEntropy()]), batch,
+                            [Layout(tp=2)], feed=feed_two_microbatches, expected=expected,
+                            accumulate_collectives={"all_reduce": 4})
 
 
-def _invalid_label_on_one_rank(strict: bool) -> dict:
+def _invalid_label_on_one_rank(strict: bool) -> dict | str:
     import torch.distributed as dist
 
     logits = torch.randn(2, 3, 8)
@@ -139,15 +113,12 @@ def _invalid_label_on_one_rank(strict: bool) -> dict:
         labels[1, 2] = 9  # out of range
     metric = Accuracy(strict=strict)
     metric.accumulate({"labels": labels}, {"logits": logits})
-    try:
-        return metric.calculate()
-    except ValueError as error:
-        return {"error": str(error)}
+    return calculate_or_error(metric, ValueError)
 
 
 def test_invalid_labels_raise_on_every_rank():
     results = run_distributed(_invalid_label_on_one_rank, 2, args=(True,))
-    assert all("1 label(s) outside [0, vocab_size)" in r["error"] for r in results)
+    assert all("1 label(s) outside [0, vocab_size)" in r for r in results), results
     results = run_distributed(_invalid_label_on_one_rank, 2, args=(False,))
     assert all(r["invalid_labels"] == 1 and r["total_tokens"] == 11 for r in results)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import Layout, run_distributed
-from guards import HostSyncError, count_collectives, forbid_host_sync
+from kit.batches import RankView
+from kit.distributed import Layout, run_distributed
+from kit.guards import HostSyncError, count_collectives, forbid_host_sync
+from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import LossMetric, Metric, MetricCollection, TrainMetric
 from twinkle_megatron.metric.inputs import microbatches, token_mask
@@ -60,34 +62,23 @@ def local_batch(rank: int) -> tuple[list, dict]:
     return inputs, outputs
 
 
-def _collection_sync(skip_earlier_stages: bool) -> tuple[dict, dict]:
-    from megatron.core import parallel_state as ps
-
-    collection = make_collection()
-    if ps.is_pipeline_last_stage(ignore_virtual=True) or not skip_earlier_stages:
-        inputs, outputs = local_batch(ps.get_data_parallel_rank())
-        with forbid_host_sync():
-            collection.accumulate(inputs, outputs)
-    with count_collectives() as counts:
-        results = collection.calculate()
-    return results, dict(counts)
+def feed_dp_rank(collection: MetricCollection, _, view: RankView, skip_earlier_stages: bool) -> list[Call]:
+    """Each DP rank its own batch, on the last stage only or on every stage (whose duplicates must not count)."""
+    if skip_earlier_stages and not view.last_stage:
+        return []
+    return [Call(*local_batch(view.dp_rank))]
 
 
 @pytest.mark.parametrize("skip_earlier_stages", [True, False])
 def test_collection_of_five_metrics_costs_two_collectives(skip_earlier_stages):
-    results = run_distributed(_collection_sync, layout=Layout(tp=2, pp=2, dp=2), args=(skip_earlier_stages,))
-    for result, counts in results:
-        assert counts == {"all_reduce": 2}, counts
-        assert {k: v for k, v in result.items() if k not in ("total time elapse", "speed")} == {
-            k: v for k, v in results[0][0].items() if k not in ("total time elapse", "speed")}
-    result = results[0][0]
     # Two DP ranks, each 10 tokens in two microbatches with loss sum 5 each: loss = 20 / 20.
-    assert result["loss"] == 1.0 and result["grad_norm"] == 0.5
-    assert result["tokens"] == 20 and result["largest"] == 111 and result["smallest"] == 1
-    assert result["histogram"] == [4, 6, 4, 6]  # labels 1..5, 7..11 (mod 4) on both DP ranks
-    assert result["iters"] == 4 and result["learning rate"] == 1e-4
-    # Timings are max over ranks, so even they agree exactly.
-    assert all(r[0] == results[0][0] for r in results)
+    labels = {"tokens": 20, "largest": 111, "smallest": 1, "histogram": [4, 6, 4, 6]}  # labels 1..5, 7..11 (mod 4)
+    expected = {"loss": 1.0, "grad_norm": 0.5, "iters": 4, "learning rate": 1e-4,
+                **{prefix + key: value for prefix in ("", "b/", "c/") for key, value in labels.items()}}
+    # Timings are max over ranks, so even they agree exactly on every rank.
+    assert_layout_invariant(lambda _: make_collection(), None, [Layout(tp=2, pp=2, dp=2)], feed=feed_dp_rank,
+                            variants=[skip_earlier_stages], expected=expected, rel=0,
+                            ignore=("total time elapse", "speed"), calculate_collectives={"all_reduce": 2})
 
 
 def test_accumulate_never_syncs_with_the_host():

@@ -7,9 +7,9 @@ import statistics
 import pytest
 import torch
 import torch.distributed as dist
-from batches import dp_cp_shard
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.batches import RankView
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant, calculate_or_error
 
 from twinkle_megatron.metric.completion_reward import CompletionRewardMetric
 
@@ -43,24 +43,14 @@ def global_rollout(seed: int = 0) -> dict:
             "lengths": torch.randint(5, 200, (COMPLETIONS,), generator=generator)}
 
 
-def _rewards_on_rank(calls: int) -> tuple[dict, dict]:
-    """Every rank passes its data-parallel block (as a driver running on all ranks would): duplicates on
-    TP, CP and earlier pipeline ranks must not count."""
-    from megatron.core import parallel_state as ps
-
-    rollout = global_rollout()
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    local = {k: dp_cp_shard(v, dp_rank, dp_size) for k, v in rollout.items()}
-    metric = CompletionRewardMetric()
-    with forbid_host_sync():
-        for part in range(calls):
-            piece = {k: v.chunk(calls)[part] for k, v in local.items()}
-            metric.accumulate(rewards={"accuracy": piece["accuracy"], "format": piece["format"]},
-                              completion_lengths=piece["lengths"], generate_time=10.0 + dp_rank,
-                              weight_sync_time=1.0 + dp_rank)
-    with count_collectives() as counts:
-        result = metric.calculate()
-    return result, dict(counts)
+def feed_every_rank(metric: CompletionRewardMetric, rollout: dict, view: RankView, calls: int) -> list[Call]:
+    """Every rank passes its data-parallel block (as a driver running on all ranks would), in ``calls`` calls:
+    duplicates on TP, CP and earlier pipeline ranks must not count."""
+    local = {k: view.rows(v) for k, v in rollout.items()}
+    pieces = [{k: v.chunk(calls)[part] for k, v in local.items()} for part in range(calls)]
+    return [Call(None, None, {"rewards": {"accuracy": piece["accuracy"], "format": piece["format"]},
+                              "completion_lengths": piece["lengths"], "generate_time": 10.0 + view.dp_rank,
+                              "weight_sync_time": 1.0 + view.dp_rank}) for piece in pieces]
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)], ids=str)
@@ -75,24 +65,19 @@ def test_same_rollout_gives_the_single_process_result(layout):
         "train/format_reward_std": statistics.stdev(rollout["format"].tolist()),
         "train/completion_length": statistics.mean(rollout["lengths"].double().tolist()),
     }
-    for calls in (1, 2):
-        per_rank = run_distributed(_rewards_on_rank, layout=layout, args=(calls,))
-        assert all(r == per_rank[0] for r in per_rank), "every rank returns the same dict"
-        result, counts = per_rank[0]
-        assert result == pytest.approx(expected, rel=1e-9)
-        assert counts == {"all_reduce": 2}, "names travel in the states: no extra collective"
+    # Names travel in the states: no extra collective.
+    assert_layout_invariant(lambda _: CompletionRewardMetric(), rollout, [layout], feed=feed_every_rank,
+                            variants=(1, 2), expected=expected, rel=1e-9,
+                            calculate_collectives={"all_reduce": 2})
 
 
-def _names_on_rank(conflicting: bool) -> dict:
+def _names_on_rank(conflicting: bool) -> dict | str:
     rewards = {"a": [1.0], "b": [2.0]}
     if dist.get_rank() == 1:
         rewards = {"b": [4.0], "a": [3.0]} if conflicting else {"a": [3.0]}
     metric = CompletionRewardMetric()
     metric.accumulate(rewards=rewards)
-    try:
-        return metric.calculate()
-    except ValueError as error:
-        return {"error": str(error)}
+    return calculate_or_error(metric, ValueError)
 
 
 def test_reward_names_agree_across_ranks_or_raise_everywhere():
@@ -100,7 +85,7 @@ def test_reward_names_agree_across_ranks_or_raise_everywhere():
     assert results[0] == results[1] == {"train/a_reward": 2.0, "train/a_reward_std": pytest.approx(2 ** 0.5),
                                         "train/b_reward": 2.0, "train/b_reward_std": 0.0}
     results = run_distributed(_names_on_rank, 2, args=(True,))
-    assert all("different orders" in r["error"] and "'a'" in r["error"] and "'b'" in r["error"] for r in results)
+    assert all("different orders" in r and "'a'" in r and "'b'" in r for r in results), results
 
 
 def test_limits_are_checked_when_names_arrive():

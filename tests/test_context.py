@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from distributed import Layout, run_distributed
+from kit.distributed import Layout, run_distributed
 
 from twinkle_megatron import Accuracy, LossMetric, MetricCollection, ParallelContext
 
@@ -77,7 +77,15 @@ def test_torch_mesh_data_parallel_dims_together_form_the_data_parallel_group():
 
 
 class TwinkleStyleMesh:
-    """What Twinkle's DeviceMesh exposes (duck-typed; Twinkle is not a dependency): dp × fsdp × pp × tp."""
+    """What Twinkle's DeviceMesh exposes (duck-typed; Twinkle is not a dependency): dp × fsdp × pp × tp.
+
+    ``get_dim_group`` follows twinkle-kit 0.5.1's ``DeviceMesh.get_dim_group``: one dim (a name, or a tuple
+    of one name) gives the group of the ranks that differ only along it, made once and cached; a tuple of
+    several dims gives the group of the ranks that differ only along those (``create_process_group``),
+    made anew at every call. Twinkle has each rank make only its own group there, which hangs on gloo
+    (REFERENCE.md); here every rank makes every group of the request, in the same order. ``requested``
+    lists the dims asked for, in order.
+    """
 
     def __init__(self, dp: int, pp: int, tp: int, fsdp: int = 1):
         import numpy as np
@@ -88,23 +96,35 @@ class TwinkleStyleMesh:
         coords = np.argwhere(self.mesh == dist.get_rank())[0]
         self.dp_rank, _, self.pp_rank, self.tp_rank = (int(c) for c in coords)
         self._groups = {}
+        self.requested: list[tuple] = []
 
     def is_pp_last_rank(self) -> bool:
         return self.pp_rank == self.pp_world_size - 1
 
     def get_dim_group(self, dims):
-        # Like Twinkle, groups are created on first request, collectively over the world: every
-        # rank must ask at the same point.
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        self.requested.append(dims)
+        if len(dims) > 1:
+            return self._new_groups(dims)
+        if dims[0] not in self._groups:
+            self._groups[dims[0]] = self._new_groups(dims)
+        return self._groups[dims[0]]
+
+    def _new_groups(self, dims: tuple):
+        """Every group of ranks that differ only along ``dims`` (collectively, over the world); this rank's."""
         import numpy as np
 
-        name = dims if isinstance(dims, str) else dims[0]
-        if name not in self._groups:
-            axis = self.mesh_dim_names.index(name)
-            for other in np.moveaxis(self.mesh, axis, -1).reshape(-1, self.mesh.shape[axis]):
-                group = dist.new_group(sorted(int(r) for r in other))
-                if dist.get_rank() in other:
-                    self._groups[name] = group
-        return self._groups[name]
+        if not set(dims) <= set(self.mesh_dim_names):
+            raise ValueError(f"Dimension {dims} not found in mesh_dim_names")
+        axes = [self.mesh_dim_names.index(d) for d in dims]
+        kept = [axis for axis in range(self.mesh.ndim) if axis not in axes]
+        size = int(np.prod([self.mesh.shape[axis] for axis in axes]))
+        mine = None
+        for ranks in np.transpose(self.mesh, kept + axes).reshape(-1, size):
+            group = dist.new_group(sorted(int(r) for r in ranks))
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
 
 
 def _from_twinkle_mesh() -> tuple:
@@ -134,6 +154,32 @@ def test_twinkle_fsdp_dims_are_data_parallel_and_metrics_on_one_mesh_share_group
     assert [r[:2] for r in results] == [(2, 0), (2, 0), (2, 1), (2, 1)]
     assert all(r[2] == [0, 1] for r in results)
     assert all(r[3]["loss"] == 0.5 and r[3]["total_tokens"] == 4 for r in results)
+
+
+def _dp_and_fsdp_mesh() -> dict:
+    mesh = TwinkleStyleMesh(dp=2, fsdp=2, pp=1, tp=2)
+    collection = MetricCollection([LossMetric(device_mesh=mesh), Accuracy(device_mesh=mesh)])
+    context = collection.metrics[0].context
+    members = [None] * context.dp_size
+    dist.all_gather_object(members, dist.get_rank(), group=context.dp_group)
+    # Each DP×FSDP rank its own loss; the TP pair the same one (counted once).
+    collection.accumulate({"labels": torch.zeros(1, 2, dtype=torch.long)},
+                          {"loss": float(context.dp_rank), "logits": torch.zeros(1, 2, 3)})
+    return {"dp": (context.dp_size, context.dp_rank), "tp": (context.tp_size, context.tp_rank),
+            "members": members, "gathered": collection.metrics[1].gather_results([context.dp_rank]),
+            "result": collection.calculate(), "requested": mesh.requested}
+
+
+def test_twinkle_dp_and_fsdp_dims_together_form_the_data_parallel_group():
+    results = run_distributed(_dp_and_fsdp_mesh, 8, timeout=30)
+    # ranks (dp, fsdp, tp): the DP group of a rank is every rank with its tp coordinate, ordered dp-major.
+    assert [r["dp"] for r in results] == [(4, rank // 2) for rank in range(8)]
+    assert [r["tp"] for r in results] == [(2, rank % 2) for rank in range(8)]
+    assert [r["members"] for r in results] == [[0, 2, 4, 6], [1, 3, 5, 7]] * 4
+    assert all(r["gathered"] == [0, 1, 2, 3] for r in results)
+    assert all(r["result"]["loss"] == 1.5 and r["result"]["total_tokens"] == 8 for r in results)
+    # The DP×FSDP group is asked for once per mesh, as a tuple (Twinkle makes a new group at every such call).
+    assert all(r["requested"].count(("dp", "fsdp")) == 1 for r in results), results[0]["requested"]
 
 
 def _metric_built_before_megatron() -> tuple:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import megatron_rank_shard, split_microbatches
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout
+from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron.metric.dpo import DPOMetric
 
@@ -118,39 +118,29 @@ def reference() -> dict:
             "rewards/margins": float(margins.mean()), "rewards/accuracies": float((margins > 0).double().mean())}
 
 
-SPLITS = [(1, True), (2, True), (2, False)]
+def feed_last_stage(metric: DPOMetric, batch: dict, view: RankView, variant: tuple) -> list[Call]:
+    count, as_list = variant
+    if not view.last_stage:
+        return []
+    local = {k: view.tokens(v) for k, v in batch.items()}
+    inputs = [{"labels": labels} for labels in split_microbatches(local["labels"], count)]
+    logps, ref = (split_microbatches(local[k], count) if as_list else local[k] for k in ("logps", "ref"))
+    return [Call(inputs, {"logps": logps}, {"ref_outputs": {"logps": ref}})]
 
 
-def _dpo_on_rank() -> list[tuple[dict, dict]]:
-    from megatron.core import parallel_state as ps
-
-    local = {k: megatron_rank_shard(v) for k, v in global_batch().items()}
-    runs = []
-    for count, as_list in SPLITS:
-        metric = DPOMetric(beta=BETA)
-        counts: dict = {}
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            inputs = [{"labels": labels} for labels in split_microbatches(local["labels"], count)]
-            logps, ref = (split_microbatches(local[k], count) if as_list else local[k] for k in ("logps", "ref"))
-            with forbid_host_sync(), count_collectives() as collectives:
-                metric.accumulate(inputs, {"logps": logps}, ref_outputs={"logps": ref})
-            counts = dict(collectives)
-        runs.append((metric.calculate(), counts))
-    return runs
+def accumulate_collectives(layout: Layout, variant: tuple) -> dict:
+    """Under CP: one all-reduce per microbatch completes the pairs' token counts and margins."""
+    count, as_list = variant
+    return {"all_reduce": count if as_list else 1} if layout.cp > 1 else {}
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)], ids=str)
 def test_same_global_batch_gives_the_single_process_result(layout):
     expected = reference()
     assert 0 < expected["rewards/accuracies"] < 1
-    per_rank = run_distributed(_dpo_on_rank, layout=layout)
-    for split, (count, as_list) in enumerate(SPLITS):
-        results = [runs[split][0] for runs in per_rank]
-        assert all(r == results[0] for r in results), "every rank returns the same dict"
-        assert results[0] == pytest.approx(expected, rel=1e-5), (layout, count, as_list)
-        # Under CP: one all-reduce per microbatch completes the pairs' token counts and margins.
-        passes = count if as_list else 1
-        assert per_rank[-1][split][1] == ({"all_reduce": passes} if layout.cp > 1 else {})
+    assert_layout_invariant(lambda _: DPOMetric(beta=BETA), global_batch(), [layout], feed=feed_last_stage,
+                            variants=[(1, True), (2, True), (2, False)], expected=expected, rel=1e-5,
+                            accumulate_collectives=accumulate_collectives)
 
 
 def test_single_process_matches_reference():

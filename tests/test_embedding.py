@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from batches import dp_cp_shard, megatron_rank_shard, split_microbatches
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron.metric.embedding import EmbeddingMetric
 
@@ -55,44 +55,28 @@ def reference(batches: list[dict]) -> dict:
             "pos_sim_max": float(positives.max()), "neg_sim": float(negatives.mean())}
 
 
-VARIANTS = [(1, True, False), (2, True, False), (2, False, False), (2, True, True)]  # microbatches, as list, hidden
-
-
-def _embedding_on_rank() -> list[tuple[dict, dict]]:
-    from megatron.core import parallel_state as ps
-
-    batch = global_batch()
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    runs = []
-    for count, as_list, hidden in VARIANTS:
-        metric = EmbeddingMetric()
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            labels = dp_cp_shard(batch["labels"], dp_rank, dp_size)
-            # Pooled embeddings are whole on every CP rank; hidden states [n, s, d] are CP chunks
-            # (position 0 lives on CP rank 0, the rank that counts).
-            embeddings = megatron_rank_shard(batch["hidden"]) if hidden else \
-                dp_cp_shard(batch["embeddings"], dp_rank, dp_size)
-            inputs = [{"labels": part} for part in split_microbatches(labels, count)]
-            outputs = {"embeddings": split_microbatches(embeddings, count) if as_list else embeddings,
-                       "loss": torch.tensor(1.0 + dp_rank), "grad_norm": 0.5 + dp_rank}
-            with forbid_host_sync():
-                metric.accumulate(inputs, outputs)
-        with count_collectives() as counts:
-            result = metric.calculate()
-        runs.append((result, dict(counts)))
-    return runs
+def feed_last_stage(metric: EmbeddingMetric, batch: dict, view: RankView, variant: tuple) -> list[Call]:
+    count, as_list, hidden = variant
+    if not view.last_stage:
+        return []
+    labels = view.rows(batch["labels"])
+    # Pooled embeddings are whole on every CP rank; hidden states [n, s, d] are CP chunks
+    # (position 0 lives on CP rank 0, the rank that counts).
+    embeddings = view.tokens(batch["hidden"]) if hidden else view.rows(batch["embeddings"])
+    inputs = [{"labels": part} for part in split_microbatches(labels, count)]
+    return [Call(inputs, {"embeddings": split_microbatches(embeddings, count) if as_list else embeddings,
+                          "loss": torch.tensor(1.0 + view.dp_rank), "grad_norm": 0.5 + view.dp_rank})]
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)], ids=str)
 def test_same_global_batch_gives_the_single_process_result(layout):
-    expected = {**reference([global_batch()]), "loss": 1.0 + (layout.dp - 1) / 2, "grad_norm": 0.5 + layout.dp - 1}
-    per_rank = run_distributed(_embedding_on_rank, layout=layout)
-    for variant in range(len(VARIANTS)):
-        results = [runs[variant][0] for runs in per_rank]
-        assert all(r == results[0] for r in results), "every rank returns the same dict"
-        assert results[0] == pytest.approx(expected, rel=1e-9), VARIANTS[variant]
-        # The per-call sums travel in the collection's object gather: two all-reduces and one gather.
-        assert all(runs[variant][1] == {"all_reduce": 2, "all_gather": 2} for runs in per_rank)
+    batch = global_batch()
+    # The per-call sums travel in the collection's object gather: two all-reduces and one gather.
+    assert_layout_invariant(
+        lambda _: EmbeddingMetric(), batch, [layout], feed=feed_last_stage,
+        variants=[(1, True, False), (2, True, False), (2, False, False), (2, True, True)],  # microbatches, list, hidden
+        expected={**reference([batch]), "loss": 1.0 + (layout.dp - 1) / 2, "grad_norm": 0.5 + layout.dp - 1},
+        rel=1e-9, calculate_collectives={"all_reduce": 2, "all_gather": 2})
 
 
 def _uneven_ranks() -> dict:

@@ -122,7 +122,7 @@ def test_summary_of_a_real_tracker_log(tmp_path: Path) -> None:
 
 
 def _overhead_worker(spec_kwargs: dict) -> dict:
-    from cuda_shim import cpu_cuda_shim
+    from kit.cuda_shim import cpu_cuda_shim
     from step_overhead import StepSpec, measure, overhead
 
     from twinkle_megatron.ops import token_stats
@@ -150,7 +150,7 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
     with the (interpreted) Triton kernel on the [s, b, v] logits of the output layer."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
-    from distributed import Layout, run_distributed
+    from kit.distributed import Layout, run_distributed
 
     spec = dict(hidden_size=32, layers=2, heads=4, seq_length=8, micro_batch_size=2, microbatches=2,
                 vocab_size=100, steps_per_block=1, rounds=2, warmup=0, te=False)
@@ -172,7 +172,7 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
 
 def _sections_worker() -> list:
     """gpu-check's sections on a CPU rank at tiny sizes: the same code paths, perf_counter timing."""
-    from cuda_shim import cpu_cuda_shim
+    from kit.cuda_shim import cpu_cuda_shim
     from megatron.core import parallel_state
     from step_overhead import StepSpec
 
@@ -197,7 +197,7 @@ def test_gpu_sections_dry_run_on_cpu() -> None:
     pass, the peer code runs, every launch configuration of the sweep agrees, and the table prints."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
-    from distributed import Layout, run_distributed
+    from kit.distributed import Layout, run_distributed
 
     rows, facts = run_distributed(_sections_worker, layout=Layout(), timeout=600)[0]
     failed = [r for r in rows if r.status == "FAIL"]

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import megatron_rank_shard, split_microbatches
-from cuda_shim import cpu_cuda_shim
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
-from megatron_gpt import GPTSpec, build_gpt_model, gpt_forward_step, make_batch, reference_forward, run_forward_backward
+from kit.batches import RankView, split_microbatches
+from kit.cuda_shim import cpu_cuda_shim
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant, run_calls
+from kit.megatron_gpt import (
+    GPTSpec,
+    build_gpt_model,
+    gpt_forward_step,
+    make_batch,
+    reference_forward,
+    run_forward_backward,
+)
 
 from twinkle_megatron import Accuracy, DPOMetric, GRPOMetric, GSPOMetric, LossMetric, MetricCollection, TokenStatsMetric
 from twinkle_megatron.megatron import instrument
@@ -44,18 +51,23 @@ def data() -> dict:
 def collections(group_names=()) -> list[MetricCollection]:
     kw = {"group_names": group_names} if group_names else {}
     return [MetricCollection([Accuracy(vocab_size=VOCAB, **kw), TokenStatsMetric(vocab_size=VOCAB, **kw),
-                              LossMetric(**kw), GRPOMetric(**kw), DPOMetric(**kw)]),
-            MetricCollection([GSPOMetric(**kw)])]
+                              LossMetric(**kw), GRPOMetric(vocab_size=VOCAB, **kw), DPOMetric(**kw)]),
+            MetricCollection([GSPOMetric(vocab_size=VOCAB, **kw)])]
 
 
-def feed(collection: MetricCollection, d: dict, num_microbatches: int, vocab_shard: slice = slice(None)) -> None:
+def calls(collection: MetricCollection, d: dict, num_microbatches: int, vocab_shard: slice = slice(None)) -> list[Call]:
     """The forms of the metrics' callers, per microbatch: logits (a vocab shard), per-token losses, logps..."""
     split = lambda key: split_microbatches(d[key], num_microbatches)  # noqa: E731
     inputs = [{"labels": labels, "dataset_id": ids} for labels, ids in zip(split("labels"), split("dataset_id"))]
     outputs = {"logits": [logits[..., vocab_shard] for logits in split("logits")], "loss": split("token_loss"),
                "logps": split("logps")}
-    collection.accumulate(inputs, outputs, old_logps=split("old_logps"), advantages=d["advantages"],
-                          ref_outputs={"logps": split("ref_logps")})
+    return [Call(inputs, outputs, {"old_logps": split("old_logps"), "advantages": d["advantages"],
+                                   "ref_outputs": {"logps": split("ref_logps")}})]
+
+
+def single_process(collection: MetricCollection, d: dict) -> dict:
+    run_calls(collection, calls(collection, d, 1))
+    return collection.calculate()
 
 
 def reference(group: int) -> dict:
@@ -64,8 +76,7 @@ def reference(group: int) -> dict:
     d["labels"][IDS != group] = -100
     results = {}
     for collection in collections():
-        feed(collection, d, 1)
-        results.update(collection.calculate())
+        results.update(single_process(collection, d))
     return {key: value for key, value in results.items() if not key.startswith(("logps/", "rewards/"))}
 
 
@@ -78,47 +89,44 @@ def dpo_reference(group: int) -> dict:
     return metric.calculate()
 
 
-def _grouped(num_microbatches: int) -> tuple[dict, dict]:
-    from megatron.core import parallel_state as ps
+def test_each_group_equals_the_metric_on_that_groups_samples():
+    results = {}
+    for collection in collections(GROUPS):
+        results.update(single_process(collection, {**data(), "dataset_id": IDS}))
+    for index, group in enumerate(GROUPS):
+        for key, value in {**reference(index), **dpo_reference(index)}.items():
+            if key in ("nonfinite_tokens", "invalid_labels", "_high_kl_records"):
+                continue
+            assert results[f"{key}/{group}"] == pytest.approx(value, rel=1e-9, abs=1e-12), (group, key)
+    # Row 7's id is outside [0, 3): its counted tokens are counted, and left out of every group.
+    invalid = int((data()["labels"][7] != -100).sum())
+    assert results["invalid_group_ids"] == invalid
+    assert results["total_tokens"] == sum(results[f"total_tokens/{g}"] for g in GROUPS) + invalid
 
-    d = data()
-    local = {key: megatron_rank_shard(value) for key, value in d.items() if value.dim() >= 2}
-    rows = slice(ps.get_data_parallel_rank() * ROWS // ps.get_data_parallel_world_size(),
-                 (ps.get_data_parallel_rank() + 1) * ROWS // ps.get_data_parallel_world_size())
-    local["dataset_id"], local["advantages"] = IDS[rows], d["advantages"][rows]
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    shard = slice(rank * PADDED // tp, (rank + 1) * PADDED // tp)
-    results, counts = {}, {}
-    for index, collection in enumerate(collections(GROUPS)):
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            with forbid_host_sync():
-                feed(collection, local, num_microbatches, shard)
-        with count_collectives() as counted:
-            results.update(collection.calculate())
-        counts[index] = dict(counted)
-    return results, counts
+
+def _feed(collection: MetricCollection, d: dict, view: RankView, variant: tuple[int, int]) -> list[Call]:
+    if not view.last_stage:
+        return []
+    local = {key: view.tokens(value) for key, value in d.items() if value.dim() >= 2}
+    local["dataset_id"], local["advantages"] = view.rows(d["dataset_id"]), view.rows(d["advantages"])
+    local["logits"] = view.vocab(local["logits"])
+    return calls(collection, local, num_microbatches=variant[1])
+
+
+def accumulate_collectives(layout: Layout, variant: tuple[int, int]) -> dict:
+    """Per microbatch: the one shared TP pass over the logits (two all-reduces), and under CP the one sum of
+    the per-sequence partials (DPO's log-ratios, GSPO's sequence means); the groups add none."""
+    splits = variant[1]
+    count = (2 * splits if layout.tp > 1 else 0) + (splits if layout.cp > 1 else 0)
+    return {"all_reduce": count} if count else {}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_each_group_equals_the_metric_on_that_groups_samples(layout):
-    expected = {group: reference(index) for index, group in enumerate(GROUPS)}
-    dpo = {group: dpo_reference(index) for index, group in enumerate(GROUPS)}
-    for num_microbatches in (1, 2):
-        per_rank = run_distributed(_grouped, layout=layout, args=(num_microbatches,))
-        results = per_rank[0][0]
-        assert all(r == results for r, _ in per_rank), "every rank: the same dict"
-        for group in GROUPS:
-            want = {**expected[group], **dpo[group]}
-            for key, value in want.items():
-                if key in ("nonfinite_tokens", "invalid_labels", "_high_kl_records"):
-                    continue
-                assert results[f"{key}/{group}"] == pytest.approx(value, rel=1e-9, abs=1e-12), (group, key)
-        # Row 7's id is outside [0, 3): its counted tokens are counted, and left out of every group.
-        invalid = int((data()["labels"][7] != -100).sum())
-        assert results["invalid_group_ids"] == invalid
-        assert results["total_tokens"] == sum(results[f"total_tokens/{g}"] for g in GROUPS) + invalid
-        sync = {"all_reduce": 2} if layout.world_size > 1 else {}
-        assert all(counts == {0: sync, 1: sync} for _, counts in per_rank), "groups travel in the same two all-reduces"
+def test_groups_are_layout_invariant_and_travel_in_the_same_two_all_reduces(layout):
+    assert_layout_invariant(lambda variant: collections(GROUPS)[variant[0]], {**data(), "dataset_id": IDS}, [layout],
+                            feed=_feed, variants=[(index, splits) for index in (0, 1) for splits in (1, 2)],
+                            rel=1e-9, accumulate_collectives=accumulate_collectives,
+                            calculate_collectives={"all_reduce": 2} if layout.world_size > 1 else {})
 
 
 def test_a_loss_per_microbatch_takes_one_group_id_per_microbatch():

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from batches import dp_cp_shard, megatron_rank_shard, split_microbatches
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout
+from kit.invariance import Call, assert_layout_invariant
+from kit.references import full_vocab_stats
 
 from twinkle_megatron import ParallelContext
 from twinkle_megatron.metric.grpo import CISPOMetric, GRPOMetric, GSPOMetric
@@ -208,12 +209,11 @@ def global_batch(seed: int = 0) -> dict:
     labels[torch.rand(BATCH, SEQ, generator=generator) < 0.15] = -100
     labels[5] = -100  # a fully masked sequence
     mask = labels != -100
-    full = logits[..., :VOCAB].double().log_softmax(-1)
-    logps = torch.where(mask, full.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0).float()
+    stats = full_vocab_stats(logits, labels, VOCAB)
+    logps = stats.logprobs.float()
     old = logps + 0.3 * torch.randn(BATCH, SEQ, generator=generator) + 0.3 * torch.randn(BATCH, 1, generator=generator)
-    entropy = -(full.exp() * full).sum(-1)
     return {"logits": logits, "labels": labels, "logps": logps, "old": torch.where(mask, old, 0.0),
-            "entropies": entropy.float(), "reference_entropy": entropy,
+            "entropies": stats.entropy.float(), "reference_entropy": stats.entropy,
             "advantages": torch.randn(BATCH, generator=generator)}
 
 
@@ -254,51 +254,37 @@ def reference(name: str) -> dict:
     return result
 
 
-def vocab_shard(logits: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    width = logits.shape[-1] // tp
-    return logits[..., rank * width:(rank + 1) * width]
-
-
 def _per_microbatch(tensor: torch.Tensor, count: int, as_list: bool):
     return split_microbatches(tensor, count) if as_list else tensor
 
 
-def _metrics_on_rank(splits: list[tuple[int, bool]]) -> list[tuple[dict, dict]]:
-    """Each metric over this rank's shard, for several microbatch splits; (results, accumulate collectives)."""
-    from megatron.core import parallel_state as ps
-
-    batch = global_batch()
-    chunked = ps.get_context_parallel_world_size() > 1
-    local = {k: megatron_rank_shard(v) for k, v in batch.items() if v.dim() > 1}
-    advantages = dp_cp_shard(batch["advantages"], ps.get_data_parallel_rank(),
-                             ps.get_data_parallel_world_size()).tolist()
+def feed_last_stage(metric, batch: dict, view: RankView, variant: tuple) -> list[Call]:
+    """This rank's shard, for one metric and microbatch split (``variant``: name, count, as_list)."""
+    name, count, as_list = variant
+    if not view.last_stage:
+        return []
+    local = {k: view.tokens(v) for k, v in batch.items() if v.dim() > 1}
+    inputs = [{"labels": labels} for labels in split_microbatches(local["labels"], count)]
     mask = local["labels"] != -100
-    runs = []
-    for count, as_list in splits:
-        metrics = {name: cls(epsilon=EPSILON, epsilon_high=EPSILON_HIGH, top_k_kl=TOP_K, vocab_size=VOCAB)
-                   for name, cls in METRICS.items()}
-        counts = {}
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            inputs = [{"labels": labels} for labels in split_microbatches(local["labels"], count)]
-            # Whole sequences: Twinkle's ragged lists; CP chunks: tensors shaped like the local logps.
-            old = _per_microbatch(local["old"], count, as_list) if chunked else \
-                [row[row_mask].tolist() for row, row_mask in zip(local["old"], mask)]
-            logps = _per_microbatch(local["logps"], count, as_list)
-            outputs = {
-                # GRPO reads the entropy from this rank's vocab shard; the others get it precomputed.
-                "grpo": {"logps": logps, "logits": _per_microbatch(vocab_shard(local["logits"]), count, as_list)},
-                "gspo": {"logps": logps, "entropies": _per_microbatch(local["entropies"], count, as_list)},
-            }
-            outputs["cispo"] = outputs["gspo"]
-            for name, metric in metrics.items():
-                with forbid_host_sync(), count_collectives() as collectives:
-                    metric.accumulate(inputs, outputs[name], old_logps=old, advantages=advantages)
-                counts[name] = dict(collectives)
-        runs.append(({name: metric.calculate() for name, metric in metrics.items()}, counts))
-    return runs
+    # Whole sequences: Twinkle's ragged lists; CP chunks: tensors shaped like the local logps.
+    old = _per_microbatch(local["old"], count, as_list) if view.cp_size > 1 else \
+        [row[row_mask].tolist() for row, row_mask in zip(local["old"], mask)]
+    outputs = {"logps": _per_microbatch(local["logps"], count, as_list)}
+    if name == "grpo":  # GRPO reads the entropy from this rank's vocab shard; the others get it precomputed
+        outputs["logits"] = _per_microbatch(view.vocab(local["logits"]), count, as_list)
+    else:
+        outputs["entropies"] = _per_microbatch(local["entropies"], count, as_list)
+    return [Call(inputs, outputs, {"old_logps": old, "advantages": view.rows(batch["advantages"]).tolist()})]
+
+
+def accumulate_collectives(layout: Layout, variant: tuple) -> dict:
+    """TP entropy for GRPO (two per microbatch), the CP sum of GSPO's per-sequence partials (one per
+    microbatch), nothing else; whole tensors: one concatenated pass."""
+    name, count, as_list = variant
+    passes = count if as_list else 1
+    if name == "grpo" and layout.tp > 1:
+        return {"all_reduce": 2 * passes}
+    return {"all_reduce": passes} if name == "gspo" and layout.cp > 1 else {}
 
 
 SPLITS = [(1, True), (2, True), (2, False), (4, True)]
@@ -308,20 +294,13 @@ SPLITS = [(1, True), (2, True), (2, False), (4, True)]
                          ids=str)
 def test_same_global_batch_gives_the_single_process_result(layout):
     expected = {name: reference(name) for name in METRICS}
-    per_rank = run_distributed(_metrics_on_rank, layout=layout, args=(SPLITS,))
-    for split, (count, as_list) in enumerate(SPLITS):
-        results = [runs[split][0] for runs in per_rank]
-        assert all(r == results[0] for r in results), "every rank returns the same dict"
-        for name in METRICS:
-            got, want = dict(results[0][name]), dict(expected[name])
-            assert_same_records(got.pop("_high_kl_records"), want.pop("_high_kl_records"))
-            assert got == pytest.approx(want, rel=1e-5), (layout, count, name)
-        # Collectives inside accumulate, on a rank of the last stage: TP entropy for GRPO (two per
-        # microbatch), the CP sum of GSPO's per-sequence partials (one per microbatch), nothing else.
-        counts, passes = per_rank[-1][split][1], count if as_list else 1  # whole tensors: one concatenated pass
-        assert counts["grpo"] == ({"all_reduce": 2 * passes} if layout.tp > 1 else {})
-        assert counts["gspo"] == ({"all_reduce": passes} if layout.cp > 1 else {})
-        assert counts["cispo"] == {}
+    assert_layout_invariant(
+        lambda variant: METRICS[variant[0]](epsilon=EPSILON, epsilon_high=EPSILON_HIGH, top_k_kl=TOP_K,
+                                            vocab_size=VOCAB),
+        global_batch(), [layout], feed=feed_last_stage,
+        variants=[(name, count, as_list) for name in METRICS for count, as_list in SPLITS],
+        expected=lambda _, variant: expected[variant[0]], rel=1e-5, rel_for={"_high_kl_records": 1e-12},
+        accumulate_collectives=accumulate_collectives)
 
 
 def test_single_process_matches_reference_and_entropy_from_full_logits():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from guards import HostSyncError, count_collectives, forbid_host_sync
+from kit.distributed import run_distributed
+from kit.guards import HostSyncError, count_collectives, forbid_host_sync
 
 LABELS = torch.tensor([[1, 2, -100], [3, -100, 4]])
 MASK = LABELS != -100

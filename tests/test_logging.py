@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_distributed
+from kit.distributed import run_distributed
 
 from twinkle_megatron.logging import (
     Backend,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batches import megatron_rank_shard, split_microbatches
-from distributed import Layout, run_distributed
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import LossMetric, MetricCollection, ParallelContext
 
@@ -34,37 +35,29 @@ def reference_loss() -> float:
     return float(losses.double()[mask].sum() / mask.sum())
 
 
-def _accumulate_megatron_style(num_microbatches: int, as_list: bool, per_token: bool) -> dict:
+def feed_megatron_style(metric: LossMetric, batch: tuple, view: RankView, variant: tuple) -> list[Call]:
     """Every last-stage rank passes its local loss sums; earlier stages never accumulate."""
-    from megatron.core import parallel_state as ps
-
-    losses, labels = global_batch()
-    local_losses, local_labels = megatron_rank_shard(losses), megatron_rank_shard(labels)
-    metric = LossMetric(loss_reduction="sum")
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        loss_mbs = split_microbatches(local_losses, num_microbatches)
-        label_mbs = split_microbatches(local_labels, num_microbatches)
-        inputs = [{"labels": labels} for labels in label_mbs]
-        if per_token:
-            outputs = {"loss": loss_mbs if as_list else local_losses}
-        else:
-            sums = [(loss * (labels != -100)).sum() for loss, labels in zip(loss_mbs, label_mbs)]
-            outputs = {"loss": sums if as_list else sum(sums)}
-        outputs["grad_norm"] = torch.tensor(1.5 + ps.get_data_parallel_rank())
-        metric.accumulate(inputs, outputs)
-    return metric.calculate()
+    num_microbatches, as_list, per_token = variant
+    if not view.last_stage:
+        return []
+    losses, labels = (view.tokens(t) for t in batch)
+    loss_mbs, label_mbs = split_microbatches(losses, num_microbatches), split_microbatches(labels, num_microbatches)
+    inputs = [{"labels": labels} for labels in label_mbs]
+    if per_token:
+        outputs = {"loss": loss_mbs if as_list else losses}
+    else:
+        sums = [(loss * (labels != -100)).sum() for loss, labels in zip(loss_mbs, label_mbs)]
+        outputs = {"loss": sums if as_list else sum(sums)}
+    outputs["grad_norm"] = torch.tensor(1.5 + view.dp_rank)
+    return [Call(inputs, outputs)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_loss_sum_matches_single_process_reference(layout):
-    expected = reference_loss()
-    for num_microbatches, as_list, per_token in [(1, True, False), (2, True, False), (2, False, False),
-                                                 (1, True, True), (2, True, True)]:
-        results = run_distributed(_accumulate_megatron_style, layout=layout,
-                                  args=(num_microbatches, as_list, per_token))
-        assert all(r == results[0] for r in results), f"ranks disagree: {results}"
-        assert results[0]["loss"] == pytest.approx(expected, rel=1e-6)
-        assert results[0]["grad_norm"] == pytest.approx(1.5 + layout.dp - 1)
+    assert_layout_invariant(
+        lambda _: LossMetric(loss_reduction="sum"), global_batch(), [layout], feed=feed_megatron_style,
+        variants=[(1, True, False), (2, True, False), (2, False, False), (1, True, True), (2, True, True)],
+        expected=lambda layout, _: {"loss": reference_loss(), "grad_norm": 1.5 + layout.dp - 1}, rel=1e-6)
 
 
 def test_loss_single_process_plain_call():
@@ -76,16 +69,14 @@ def test_loss_single_process_plain_call():
     assert metric.calculate() == {}, "calculate() resets, and no data gives {}"
 
 
-def _twinkle_mean_loss(value: float) -> dict:
+def feed_twinkle_mean(metric: LossMetric, batch: float, view: RankView, _) -> list[Call]:
     # Twinkle's Megatron model hands every rank the loss already averaged over DP.
-    metric = LossMetric(loss_reduction="mean")
-    metric.accumulate([{"labels": torch.ones(2, 3, dtype=torch.long)}] * 2, {"loss": [value, value]})
-    return metric.calculate()
+    return [Call([{"labels": torch.ones(2, 3, dtype=torch.long)}] * 2, {"loss": [batch, batch]})]
 
 
 def test_loss_mean_of_an_already_averaged_loss_stays_the_same():
-    results = run_distributed(_twinkle_mean_loss, layout=Layout(tp=2, pp=2, dp=2), args=(2.75,))
-    assert all(r == {"loss": 2.75} for r in results)
+    assert_layout_invariant(lambda _: LossMetric(loss_reduction="mean"), 2.75, [Layout(tp=2, pp=2, dp=2)],
+                            feed=feed_twinkle_mean, expected={"loss": 2.75}, rel=0)
 
 
 def test_loss_mean_weighs_values_equally():

@@ -17,10 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cuda_shim import PATCHED_CUDA_FUNCTIONS, cpu_cuda_shim
-from distributed import Layout, run_distributed
-from megatron.core import parallel_state
-from megatron_gpt import (
+from kit.cuda_shim import PATCHED_CUDA_FUNCTIONS, cpu_cuda_shim
+from kit.distributed import Layout, run_distributed
+from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
     canonical_names,
@@ -31,6 +30,7 @@ from megatron_gpt import (
     sum_loss_reports,
     tp_shard,
 )
+from megatron.core import parallel_state
 
 GLOBAL_BATCH = 8
 TIMEOUT = 120

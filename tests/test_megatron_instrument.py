@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cuda_shim import cpu_cuda_shim
-from distributed import Layout, run_distributed
-from guards import forbid_host_sync
-from megatron.core import parallel_state
-from megatron_gpt import (
+from kit.cuda_shim import cpu_cuda_shim
+from kit.distributed import Layout, run_distributed
+from kit.guards import forbid_host_sync
+from kit.invariance import calculate_or_error
+from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
     gpt_forward_step,
@@ -30,6 +30,8 @@ from megatron_gpt import (
     run_forward_backward,
     sum_loss_reports,
 )
+from kit.references import accuracy_reference, token_stats_reference
+from megatron.core import parallel_state
 
 from twinkle_megatron.megatron import MegatronInstrumentation, MetricHookError, instrument
 
@@ -71,18 +73,9 @@ def _reference_worker() -> list[dict]:
         (model,) = build_gpt_model(SPEC)
         for _ in range(STEPS):
             logits = reference_forward(model, batch)
-            full = logits.detach().double()[..., :TRUE_VOCAB]
-            logprobs = full.log_softmax(-1)
-            label_logprobs = logprobs.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
-            entropy = -(logprobs.exp() * logprobs).sum(-1)
-            correct = (full.argmax(-1) == batch["labels"]) & mask
-            results.append({
-                "accuracy": float(correct.sum() / mask.sum()),
-                "correct_tokens": int(correct.sum()),
-                "total_tokens": int(mask.sum()),
-                "logprob": float(label_logprobs[mask].mean()),
-                "entropy": float(entropy[mask].mean()),
-            })
+            full = logits.detach()
+            results.append({**accuracy_reference(full, batch["labels"], mask, TRUE_VOCAB),
+                            **token_stats_reference(full, batch["labels"], mask, TRUE_VOCAB)})
             # The model's own loss over its padded vocabulary, as Megatron trains it.
             per_token = F.cross_entropy(logits.reshape(-1, SPEC.vocab_size), batch["labels"].reshape(-1),
                                         reduction="none")
@@ -185,7 +178,7 @@ def test_no_host_sync_no_logits_kept_no_hooks_left():
     assert all(r["result"] == results[0]["result"] for r in results)
 
 
-def _failing_hook() -> str:
+def _failing_hook() -> dict | str:
     batch = _batch()
     with cpu_cuda_shim():
         chunks = build_gpt_model(SPEC)
@@ -207,11 +200,7 @@ def _failing_hook() -> str:
             module.logits_token_stats = broken
         run_forward_backward(chunks, batch, micro_batch_size=MICRO_BATCH, forward_step_func=metrics.wrap(
             gpt_forward_step))
-        try:
-            metrics.calculate()
-        except MetricHookError as error:
-            return str(error)
-    return "no error"
+        return calculate_or_error(metrics, MetricHookError)
 
 
 def test_a_failing_hook_raises_on_every_rank_instead_of_hanging():

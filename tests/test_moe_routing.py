@@ -4,7 +4,7 @@ A tiny GPTModel (4 layers, each with 4 experts, top-2, megatron-core's TopKRoute
 aux and z losses on) is trained through the pipeline schedules on CPU gloo ranks
 under PP2×DP2 (1F1B, with the MoE layers' activations recomputed), PP2×VPP2×DP2
 (the interleaved schedule, one layer per chunk), PP2×DP2×EP2 (the all-gather token
-dispatcher; the all-to-all one cannot run on gloo, see tests/megatron_moe.py), TP2
+dispatcher; the all-to-all one cannot run on gloo, see tests/kit/megatron_moe.py), TP2
 with sequence parallelism, and evaluated under TP2 without it. After every
 step, ``instrument()``'s ``calculate()`` must equal a single-process reference
 counted from the routers' own routing maps (captured there by a plain forward
@@ -31,12 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from cuda_shim import cpu_cuda_shim
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.cuda_shim import cpu_cuda_shim
+from kit.distributed import Layout, run_distributed
+from kit.guards import count_collectives, forbid_host_sync
+from kit.megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
+from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config, recompute_rng_on_cpu
 from megatron.core import parallel_state
-from megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
-from megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config, recompute_rng_on_cpu
 
 from twinkle_megatron import keys
 from twinkle_megatron.megatron import MetricHookError, instrument, moe_routing
@@ -334,7 +334,7 @@ def _single_process_checks() -> dict:
                            sum(len(r._forward_hooks) for r in moe_routing.find_routers(chunks)))
         plain.detach()
         # A dense GPTModel (no MoE layers): no MoE metric.
-        from megatron_gpt import build_gpt_model
+        from kit.megatron_gpt import build_gpt_model
 
         dense = instrument(build_gpt_model(SPEC), vocab_size=SPEC.vocab_size)
         out["dense"] = (dense.moe, [type(m).__name__ for m in dense.metrics.metrics])

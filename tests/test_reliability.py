@@ -1,6 +1,6 @@
 """No silent wrong numbers: graphs, host syncs, NaN, no data, empty input, resume across layouts, mismatched ranks.
 
-Each test runs over every metric (``metric_cases.CASES``) fed the way its
+Each test runs over every metric (``kit.metric_cases.CASES``) fed the way its
 callers feed it, and compares with what the same metric reports for the data
 a careful caller would have passed instead (the poisoned token masked).
 """
@@ -13,13 +13,14 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from guards import forbid_host_sync
-from metric_cases import (
+from kit.batches import RankView
+from kit.distributed import Layout, run_distributed
+from kit.guards import forbid_host_sync
+from kit.invariance import assert_layout_invariant, assert_matches, calculate_or_error, run_calls
+from kit.metric_cases import (
     CASE_IDS,
     CASES,
     COLLECTION_CASES,
-    ROWS,
     VOCAB,
     Case,
     dropped,
@@ -27,7 +28,6 @@ from metric_cases import (
     mask_like,
     poison,
     rows_of,
-    run_calls,
     tensors_held,
 )
 
@@ -51,16 +51,6 @@ def comparable(result: dict) -> dict:
     if "_high_kl_records" in out:
         out["_high_kl_records"] = [(r["gsi"], r["pos"], r["token_id"]) for r in out["_high_kl_records"]]
     return out
-
-
-def assert_same(got: dict, want: dict, rel: float = 1e-9) -> None:
-    got, want = comparable(got), comparable(want)
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    for key in want:
-        if isinstance(want[key], list):
-            assert got[key] == want[key], key
-        else:
-            assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-12), key
 
 
 def single(case: Case, *datasets: dict) -> dict:
@@ -108,7 +98,7 @@ def test_a_nonfinite_input_is_counted_and_left_out_like_a_masked_one(case, key, 
         expected = metric.calculate()
     counted_in_row = int((d["labels"][row] != -100).sum())
     expected[count_key] = counted_in_row if unit == "row" else 1
-    assert_same(result, expected)
+    assert_matches(result, expected, rel=1e-9, ignore=TIMING_KEYS)
     assert not any(isinstance(v, float) and math.isnan(v) for v in result.values()), "never NaN"
 
 
@@ -120,11 +110,11 @@ def _nan_on_one_rank(nan_on_rank: int) -> dict:
         for key, _, _ in case.poisonable[:1]:
             d = poison(d, key, 3)
     order = [0, 1] if nan_on_rank == 0 else [1, 0]  # which half of the rows each rank holds
-    half = order[rank]
+    half = RankView(dp_rank=order[rank], dp_size=2)
     results = {}
     for case in CASES:
         metric = case.make()
-        case.feed(metric, rows_of(d, slice(half * ROWS // 2, (half + 1) * ROWS // 2)))
+        case.feed(metric, rows_of(d, half))
         results[case.name] = comparable(metric.calculate())
     loss = LossMetric()
     loss.accumulate({}, {"loss": 1.0}, grad_norm=math.nan if rank == nan_on_rank else 0.5)
@@ -198,76 +188,69 @@ def test_a_bad_vocab_size_is_refused_per_call_as_in_the_constructor(make, vocab_
 # ------------------------------------------------------------------ resume across layouts
 
 
-def _save_under(dp_blocks: int) -> dict:
-    """Phase 1 on this layout: accumulate the first global batch, return every metric's state and the
-    collection's (collective calls, every rank the same)."""
-    rank, size = dist.get_rank(), dist.get_world_size()
-    d = rows_of(global_data(0), slice(rank * ROWS // size, (rank + 1) * ROWS // size))
+COLLECTION = "collection"  # the variant of a MetricCollection of COLLECTION_CASES
+VARIANTS = [*CASES, COLLECTION]
+
+
+def name_of(variant) -> str:
+    return variant.name if isinstance(variant, Case) else variant
+
+
+def make(variant) -> object:
+    """A fresh metric of a case, or the collection of COLLECTION_CASES."""
+    return variant.make() if isinstance(variant, Case) else MetricCollection([c.make() for c in COLLECTION_CASES])
+
+
+def calls_of(metric, variant, d: dict) -> list:
+    """The caller's calls for ``d``: the case's own, or each collected case's calls on its metric."""
+    if isinstance(variant, Case):
+        return variant.calls(d)
+    return [call._replace(metric=member) for case, member in zip(COLLECTION_CASES, metric.metrics)
+            for call in case.calls(d)]
+
+
+def _save_under() -> dict:
+    """Phase 1 under DP (the whole world): accumulate this rank's rows of the first global batch, return
+    every metric's and the collection's state (state_dict() calls collectives: every rank the same)."""
+    d = rows_of(global_data(0), RankView(dp_rank=dist.get_rank(), dp_size=dist.get_world_size()))
     states = {}
-    for case in CASES:
-        metric = case.make()
-        case.feed(metric, d)
-        states[case.name] = metric.state_dict()
-    collection = MetricCollection([case.make() for case in COLLECTION_CASES])
-    for case, metric in zip(COLLECTION_CASES, collection.metrics):
-        case.feed(metric, d)
-    states["collection"] = collection.state_dict()
+    for variant in VARIANTS:
+        metric = make(variant)
+        run_calls(metric, calls_of(metric, variant, d))
+        states[name_of(variant)] = metric.state_dict()
     return states
 
 
-def _resume_under(states: dict) -> dict:
-    rank, size = dist.get_rank(), dist.get_world_size()
-    d = rows_of(global_data(1), slice(rank * ROWS // size, (rank + 1) * ROWS // size))
-    results = {}
-    for case in CASES:
-        metric = case.make()
-        metric.load_state_dict(states[case.name])
-        case.feed(metric, d)
-        results[case.name] = metric.calculate()
-    collection = MetricCollection([case.make() for case in COLLECTION_CASES])
-    collection.load_state_dict(states["collection"])
-    for case, metric in zip(COLLECTION_CASES, collection.metrics):
-        case.feed(metric, d)
-    results["collection"] = collection.calculate()
-    return results
-
-
-@pytest.mark.parametrize("resume_dp", [1, 4])
-def test_state_saved_under_dp2_resumes_exactly_under_another_layout(resume_dp):
-    saved = run_distributed(_save_under, world_size=2, args=(2,))
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp=4)], ids=str)
+def test_state_saved_under_dp2_resumes_exactly_under_another_layout(layout):
+    saved = run_distributed(_save_under, world_size=2)
     assert all(str(s) == str(saved[0]) for s in saved), "state_dict() is the same on every rank"
-    resumed = run_distributed(_resume_under, world_size=resume_dp, args=(saved[0],))
     expected = {case.name: single(case, global_data(0), global_data(1)) for case in CASES}
-    collection = {}
-    for case in COLLECTION_CASES:
-        collection.update(expected[case.name])
-    for result in resumed:
-        for case in CASES:
-            assert_same(result[case.name], expected[case.name]), case.name
-        assert_same(result["collection"], collection)
+    expected[COLLECTION] = {key: value for case in COLLECTION_CASES for key, value in expected[case.name].items()}
+
+    def resumed(variant):
+        metric = make(variant)
+        metric.load_state_dict(saved[0][name_of(variant)])
+        return metric
+
+    assert_layout_invariant(resumed, global_data(1), [layout], variants=VARIANTS,
+                            feed=lambda metric, d, view, variant: calls_of(metric, variant, rows_of(d, view)),
+                            expected=lambda _, variant: expected[name_of(variant)], rel=1e-9, ignore=TIMING_KEYS)
 
 
 # ------------------------------------------------------------------ ranks that disagree
 
 
-def _swapped_order() -> str:
+def _swapped_order() -> dict | str:
     metrics = [Accuracy(), LossMetric()]
     if dist.get_rank() == 1:
         metrics.reverse()
-    try:
-        MetricCollection(metrics).calculate()
-    except MetricSyncError as error:
-        return str(error)
-    return "no error"
+    return calculate_or_error(MetricCollection(metrics), MetricSyncError)
 
 
-def _different_sets() -> str:
+def _different_sets() -> dict | str:
     metrics = [Accuracy(), LossMetric(), TrainMetric()] if dist.get_rank() == 0 else [Accuracy()]
-    try:
-        MetricCollection(metrics).calculate()
-    except MetricSyncError as error:
-        return str(error)
-    return "no error"
+    return calculate_or_error(MetricCollection(metrics), MetricSyncError)
 
 
 def test_ranks_with_different_metrics_raise_on_every_rank_naming_them():
@@ -276,17 +259,13 @@ def test_ranks_with_different_metrics_raise_on_every_rank_naming_them():
         assert all("ranks [0]" in m and "ranks [1]" in m and "Accuracy(" in m for m in messages), messages
 
 
-def _only_some_ranks_calculate() -> str:
+def _only_some_ranks_calculate() -> dict | str:
     # The metrics' own group, with a short timeout, so the test's default group stays usable.
     group = dist.new_group(ranks=[0, 1], timeout=timedelta(seconds=3))
     metric = LossMetric(process_group=group)
     if dist.get_rank() == 1:
         return "skipped calculate()"
-    try:
-        metric.calculate()
-    except MetricSyncError as error:
-        return str(error)
-    return "no error"
+    return calculate_or_error(metric, MetricSyncError)
 
 
 def test_a_calculate_entered_by_some_ranks_only_fails_with_a_message_that_says_so():

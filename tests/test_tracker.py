@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from distributed import Layout, run_distributed
-from guards import count_collectives, forbid_host_sync
+from kit.distributed import Layout, run_distributed
+from kit.guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import LossMetric, MetricCollection, TrainMetric
 from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floating_point_operations

@@ -6,7 +6,9 @@ import time
 
 import pytest
 import torch
-from distributed import Layout, run_distributed
+from kit.batches import RankView
+from kit.distributed import Layout
+from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import TrainMetric
 
@@ -54,16 +56,11 @@ def test_resume_continues_elapsed_time_and_steps():
     assert result["learning rate"] == 1e-3
 
 
-def _only_last_stage_accumulates() -> dict:
-    from megatron.core import parallel_state as ps
-
-    metric = TrainMetric()
-    if ps.is_pipeline_last_stage():
-        metric.accumulate(None, {"lr": 2e-5, "step": 3})
-    return metric.calculate()
+def feed_last_stage(metric: TrainMetric, _, view: RankView, __) -> list[Call]:
+    return [Call(None, {"lr": 2e-5, "step": 3})] if view.last_stage else []
 
 
 def test_every_rank_reports_the_same_values():
-    results = run_distributed(_only_last_stage_accumulates, layout=Layout(pp=2, dp=2))
-    assert all(r == results[0] for r in results)
-    assert results[0]["learning rate"] == 2e-5 and results[0]["iters"] == 3
+    # The timings too: they are max over ranks.
+    assert_layout_invariant(lambda _: TrainMetric(), None, [Layout(pp=2, dp=2)], feed=feed_last_stage,
+                            expected={"learning rate": 2e-5, "iters": 3}, rel=0, ignore=("total time elapse", "speed"))

@@ -17,6 +17,8 @@ import statistics
 
 import pytest
 import torch
+from kit.invariance import assert_matches
+from kit.references import accuracy_reference
 
 from twinkle_megatron import (
     Accuracy,
@@ -109,36 +111,27 @@ def test_loss_metric_megatron_model_form_one_float_per_step():
 # ------------------------------------------------------------------ Accuracy
 
 
-def accuracy_reference(labels: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
-    mask = labels != -100
-    correct = (logits.argmax(-1) == labels) & mask
-    return int(correct.sum()), int(mask.sum())
-
-
 def test_accuracy_doc_form():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, generator=generator)
     labels = logits.argmax(-1)
     labels[0, :2] = (labels[0, :2] + 1) % 11  # two wrong
     labels[2, 3:] = -100
-    correct, total = accuracy_reference(labels, logits)
     metric = Accuracy(device_mesh=..., process_group=...)
     metric.accumulate(InputFeature(labels=labels), ModelOutput(logits=logits))
     _metric = metric.calculate()
     assert_numbers(_metric, ["accuracy", "correct_tokens", "total_tokens"])
-    assert (_metric["correct_tokens"], _metric["total_tokens"]) == (correct, total)
-    assert _metric["accuracy"] == pytest.approx(correct / total)
+    assert_matches(_metric, accuracy_reference(logits, labels), rel=1e-12)
 
 
 def test_accuracy_takes_the_list_of_input_features_the_docs_say_twinkle_cannot():
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 6, 9, generator=generator)
     labels = torch.randint(0, 9, (4, 6), generator=generator)
-    correct, total = accuracy_reference(labels, logits)
     metric = Accuracy(device_mesh=None, process_group=None)
     metric.accumulate([InputFeature(labels=labels[:2]), InputFeature(labels=labels[2:])],
                       ModelOutput(logits=[logits[:2], logits[2:]]))
-    assert (metric.calculate()["correct_tokens"], total) == (correct, total)
+    assert_matches(metric.calculate(), accuracy_reference(logits, labels), rel=1e-12)
 
 
 # ------------------------------------------------------------------ CompletionRewardMetric

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from distributed import run_distributed
+from kit.distributed import run_distributed
 
 twinkle = pytest.importorskip("twinkle.metric", reason="Twinkle is not installed here: run `make test-twinkle`")
 

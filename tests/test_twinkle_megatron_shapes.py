@@ -25,10 +25,10 @@ import math
 
 import pytest
 import torch
-from batches import split_microbatches
-from distributed import Layout, run_distributed
-from guards import count_collectives
-from megatron_gpt import cp_slice
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant, run_variants
+from kit.references import accuracy_reference, full_vocab_stats, token_stats_reference
 
 from twinkle_megatron import Accuracy, DPOMetric, GRPOMetric, LossMetric, MetricCollection, TokenStatsMetric
 
@@ -44,8 +44,7 @@ def global_batch() -> dict:
     labels = torch.where(hits, logits[..., :VOCAB].argmax(-1), labels)
     labels[:, :3] = -100  # prompts
     labels[torch.rand(BATCH, SEQ, generator=generator) < 0.1] = -100
-    logprobs = torch.log_softmax(logits[..., :VOCAB].double(), -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    logps = torch.where(labels != -100, logprobs, 0.0).float()
+    logps = full_vocab_stats(logits, labels, VOCAB).logprobs.float()
     old_logps = logps + 0.3 * torch.randn(BATCH, SEQ, generator=generator)
     advantages = torch.randn(BATCH, generator=generator)
     return {"logits": logits, "labels": labels, "input_ids": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
@@ -54,102 +53,74 @@ def global_batch() -> dict:
 
 def references() -> dict:
     batch = global_batch()
-    labels, logits = batch["labels"], batch["logits"][..., :VOCAB].double()
+    labels, logits = batch["labels"], batch["logits"]
     mask = labels != -100
-    tokens = int(mask.sum())
-    correct = int(((logits.argmax(-1) == labels) & mask).sum())
-    logp = torch.log_softmax(logits, -1)
-    entropy = -(logp.exp() * logp).sum(-1)
     new, old = batch["logps"].double(), batch["old_logps"].double()
     diff = (new - old)[mask]
     chosen = torch.where(mask, new, 0.0).sum(-1)[0::2]
     rejected = torch.where(mask, new, 0.0).sum(-1)[1::2]
     return {
-        "accuracy": correct / tokens, "correct_tokens": correct, "total_tokens": tokens,
-        "logprob": float(logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0][mask].mean()),
-        "entropy": float(entropy[mask].mean()),
+        **accuracy_reference(logits, labels, vocab_size=VOCAB),
+        **token_stats_reference(logits, labels, vocab_size=VOCAB),
         "train/mean_new_logp": float(new[mask].mean()), "train/mean_old_logp": float(old[mask].mean()),
         "train/approx_kl": float((diff.exp() - diff - 1).mean()),
         "logps/chosen": float(chosen.mean()), "logps/rejected": float(rejected.mean()),
-        "loss": 2.5, "learning rate(param group 1)": 1e-4, "learning rate(param group 2)": 1e-5,
+        "loss": 2.5, "grad_norm": 0.5,
     }
 
 
-def twinkle_megatron_view(num_microbatches: int) -> tuple[list, dict]:
-    """(inputs, outputs) exactly as Twinkle's MegatronModel gives them to this rank's metrics."""
-    from megatron.core import parallel_state as ps
-
-    batch = global_batch()
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
-    local = {key: value[rows] for key, value in batch.items()}
-    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+def feed_twinkle_megatron(collection: MetricCollection, batch: dict, view: RankView, num_microbatches: int) -> list:
+    """(inputs, outputs) exactly as Twinkle's MegatronModel gives them to this rank's metrics, with the
+    keywords of its optimizer group and GRPO's ragged per-sample lists (the counted tokens' values, in order)."""
+    local = {key: view.rows(value) for key, value in batch.items()}
     inputs = []
     for ids, labels in zip(split_microbatches(local["input_ids"], num_microbatches),
                            split_microbatches(local["labels"], num_microbatches)):
-        inputs.append({"input_ids": cp_slice(ids, 1, cp, cp_rank),
-                       "labels": labels if last else cp_slice(labels, 1, cp, cp_rank),
+        inputs.append({"input_ids": view.chunks(ids),
+                       "labels": labels if view.last_stage else view.chunks(labels),
                        "position_ids": torch.arange(SEQ)[None].expand(labels.shape[0], -1)})
-    if not last:
-        return inputs, {"loss": 2.5, "logits": [], "logps": None}
-    width = PADDED_VOCAB // tp
-    logits = cp_slice(local["logits"], 1, cp, cp_rank)[..., tp_rank * width:(tp_rank + 1) * width]
-    outputs = {"loss": 2.5, "logits": logits.contiguous(), "logps": local["logps"]}
-    return inputs, outputs
+    if view.last_stage:
+        outputs = {"loss": 2.5, "logits": view.vocab(view.chunks(local["logits"])).contiguous(),
+                   "logps": local["logps"]}
+    else:
+        outputs = {"loss": 2.5, "logits": [], "logps": None}
+    old = [row[labels != -100].tolist() for row, labels in zip(local["old_logps"], local["labels"])]
+    return [Call(inputs, outputs, {"lr": [1e-4, 1e-5], "step": 7, "gradient_accumulation_steps": 1,
+                                   "grad_norm": 0.5, "old_logps": old, "advantages": local["advantages"].tolist()})]
 
 
-def _twinkle_megatron_step(num_microbatches: int) -> tuple[dict, dict]:
-    from megatron.core import parallel_state as ps
-
-    inputs, outputs = twinkle_megatron_view(num_microbatches)
-    collection = MetricCollection([Accuracy(vocab_size=VOCAB), TokenStatsMetric(vocab_size=VOCAB), LossMetric(),
-                                   GRPOMetric(), DPOMetric()])
-    batch = global_batch()
-    count = BATCH // ps.get_data_parallel_world_size()
-    start = ps.get_data_parallel_rank() * count
-    # GRPO's old_logps / advantages: Twinkle's ragged per-sample lists (the counted tokens' values, in order).
-    old = [row[labels != -100].tolist() for row, labels in zip(batch["old_logps"][start:start + count],
-                                                               batch["labels"][start:start + count])]
-    collection.accumulate(inputs, outputs, lr=[1e-4, 1e-5], step=7, gradient_accumulation_steps=1, grad_norm=0.5,
-                          old_logps=old, advantages=batch["advantages"][start:start + count].tolist())
-    with count_collectives() as counts:
-        results = collection.calculate()
-    return results, dict(counts)
+def make_collection(_=None) -> MetricCollection:
+    return MetricCollection([Accuracy(vocab_size=VOCAB), TokenStatsMetric(vocab_size=VOCAB), LossMetric(),
+                             GRPOMetric(), DPOMetric()])
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=2, dp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2),
                                     Layout(tp=2, cp=2), Layout(cp=2, pp=2)], ids=str)
 def test_twinkle_megatron_model_shapes_give_the_single_process_result(layout):
-    expected = references()
-    for num_microbatches in (1, 2):
-        per_rank = run_distributed(_twinkle_megatron_step, layout=layout, args=(num_microbatches,))
-        results = [result for result, _ in per_rank]
-        assert all(r == results[0] for r in results), "every stage, every rank: the same dict"
-        for key, value in expected.items():
-            if key.startswith("learning rate"):
-                continue
-            assert results[0][key] == pytest.approx(value, rel=1e-5), (key, num_microbatches)
-        assert results[0]["grad_norm"] == 0.5
-        assert all(counts == {"all_reduce": 2} for _, counts in per_rank), "still one sync"
+    batch, variants = global_batch(), (1, 2)  # microbatches
+    single = run_variants(make_collection, batch, feed_twinkle_megatron, variants, RankView())
+
+    def expected(layout: Layout, count: int) -> dict:
+        """Every key as the same collection reports it in one process on the whole batch, and those with a
+        full-vocabulary reference as that says. GRPO's entropy from logits (no vocab_size given: over every
+        column) needs the logits and log-probs of the same tokens: under CP Twinkle gathers the log-probs and
+        not the logits, so GRPO leaves ``train/entropy`` out there (its documented limitation)."""
+        result = {**single[variants.index(count)].result, **references()}
+        return {k: v for k, v in result.items() if k != "train/entropy" or layout.cp == 1}
+
+    assert_layout_invariant(make_collection, batch, [layout], feed=feed_twinkle_megatron, variants=variants,
+                            expected=expected, rel=1e-5, calculate_collectives={"all_reduce": 2})  # still one sync
 
 
 def test_gathered_labels_with_local_logits_are_cut_to_this_cp_rank_single_process_view():
     """The CP alignment on its own: full labels, this rank's logits chunks, by hand (CP rank 1 of 2)."""
 
-    def one_rank():
-        from megatron.core import parallel_state as ps
+    def feed(metric: Accuracy, batch: dict, view: RankView, _) -> list[Call]:
+        return [Call({"labels": batch["labels"]}, {"logits": view.chunks(batch["logits"])})]
 
-        batch = global_batch()
-        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        metric = Accuracy(vocab_size=VOCAB)
-        metric.accumulate({"labels": batch["labels"]}, {"logits": cp_slice(batch["logits"], 1, cp, cp_rank)})
-        return metric.calculate()
-
-    results = run_distributed(one_rank, layout=Layout(cp=2))
-    assert results[0] == results[1]
-    assert results[0]["correct_tokens"] == references()["correct_tokens"]
+    batch = global_batch()
+    assert_layout_invariant(lambda _: Accuracy(vocab_size=VOCAB), batch, [Layout(cp=2)], feed=feed,
+                            expected=accuracy_reference(batch["logits"], batch["labels"], vocab_size=VOCAB))
 
 
 def test_mismatched_lengths_under_cp_say_which_tensor_is_which():

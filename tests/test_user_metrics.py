@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_shim import cpu_cuda_shim
-from distributed import Layout, run_distributed
-from guards import count_collectives
-from megatron.core import parallel_state
-from megatron_gpt import GPTSpec, build_gpt_model, gpt_forward_step, make_batch, run_forward_backward, sum_loss_reports
+from kit.batches import RankView
+from kit.cuda_shim import cpu_cuda_shim
+from kit.distributed import Layout, run_distributed
+from kit.invariance import Call, assert_layout_invariant
+from kit.megatron_gpt import (
+    GPTSpec,
+    build_gpt_model,
+    gpt_forward_step,
+    make_batch,
+    run_forward_backward,
+    sum_loss_reports,
+)
 
 from twinkle_megatron import Accuracy, LossMetric, Metric, MetricCollection, MetricsTracker
 from twinkle_megatron.megatron import instrument
@@ -45,30 +52,24 @@ class LabelTokens(Metric):
         self.tokens = 0
 
 
-def _collection_with_a_user_metric() -> tuple[dict, dict]:
-    collection = MetricCollection([LossMetric(), LabelTokens(), Accuracy()])
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
-        logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 0], [3, 0, 0]]), 8).float()
-        width = 8 // parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        collection.accumulate([{"labels": labels}], {"loss": [2.0], "logits": [logits[..., rank * width:(rank + 1) *
-                                                                                       width]]}, lr=[1e-4], step=1)
-    with count_collectives() as counts:
-        results = collection.calculate()
-    return results, dict(counts)
+def feed_last_stage(collection: MetricCollection, _, view: RankView, __) -> list[Call]:
+    if not view.last_stage:
+        return []
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100]])
+    logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 0], [3, 0, 0]]), 8).float()
+    return [Call([{"labels": labels}], {"loss": [2.0], "logits": [view.vocab(logits)]}, {"lr": [1e-4], "step": 1})]
 
 
 def test_user_metric_joins_a_collection_under_dp2_and_tp2_pp2():
-    for layout in (Layout(dp=2), Layout(tp=2, pp=2)):
-        per_rank = run_distributed(_collection_with_a_user_metric, layout=layout)
-        results = [result for result, _ in per_rank]
-        assert all(r == results[0] for r in results), "the same dict on every rank"
-        data_ranks = layout.dp  # one TP rank of the last stage per DP rank holds data
-        assert results[0]["user/tokens"] == 3 * data_ranks and results[0]["user/ranks"] == data_ranks
-        assert results[0]["loss"] == 2.0 and results[0]["accuracy"] == 1.0
-        # Built-ins: the two all-reduces; the user metric: its own all_gather_object (sizes, then bytes).
-        assert all(counts == {"all_reduce": 2, "all_gather": 2} for _, counts in per_rank), per_rank
+    # One TP rank of the last stage per DP rank holds data. Built-ins: the two all-reduces; the user
+    # metric: its own all_gather_object (sizes, then bytes). The user metric syncs with the host on purpose.
+    assert_layout_invariant(
+        lambda _: MetricCollection([LossMetric(), LabelTokens(), Accuracy()]), None, [Layout(dp=2), Layout(tp=2, pp=2)],
+        feed=feed_last_stage, allow_host_syncs=True, rel=0,
+        expected=lambda layout, _: {"loss": 2.0, "accuracy": 1.0, "correct_tokens": 3 * layout.dp,
+                                    "total_tokens": 3 * layout.dp, "user/tokens": 3 * layout.dp,
+                                    "user/ranks": layout.dp},
+        calculate_collectives={"all_reduce": 2, "all_gather": 2})
 
 
 SPEC = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)

@@ -19,7 +19,7 @@ CPU fallbacks want), ``get_device_properties`` (inference layers only),
 Everything is undone on exit, also when the body raises. This shim belongs to the
 tests (and a CPU demo); it must never be imported by the library.
 
-Enter it inside a forked worker (``tests/distributed.py``), around model building
+Enter it inside a forked worker (``tests/kit/distributed.py``), around model building
 and the schedule call::
 
     with cpu_cuda_shim():

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kit.batches import RankView
+from kit.invariance import Call, run_calls
 from twinkle_megatron import (
     Accuracy,
     CISPOMetric,
@@ -74,58 +76,50 @@ def _split(tensor: torch.Tensor) -> list[torch.Tensor]:
     return list(tensor.chunk(2)) if tensor.shape[0] % 4 == 0 else [tensor]
 
 
-Call = tuple[Any, Any, dict]  # (inputs, outputs, keywords) of one accumulate call
-
-
 def feed_logits(d: dict) -> list[Call]:
-    return [([{"labels": labels} for labels in _split(d["labels"])], {"logits": _split(d["logits"])}, {})]
+    return [Call([{"labels": labels} for labels in _split(d["labels"])], {"logits": _split(d["logits"])})]
 
 
 def feed_token_loss(d: dict) -> list[Call]:
-    return [([{"labels": labels} for labels in _split(d["labels"])], {"loss": _split(d["token_loss"])}, {})]
+    return [Call([{"labels": labels} for labels in _split(d["labels"])], {"loss": _split(d["token_loss"])})]
 
 
 def feed_row_loss(d: dict) -> list[Call]:
     """One loss value per microbatch (a row each), averaged with equal weight."""
     rows = range(d["labels"].shape[0])
-    return [([{"labels": d["labels"][r:r + 1]} for r in rows], {"loss": list(d["row_loss"].unbind())}, {})]
+    return [Call([{"labels": d["labels"][r:r + 1]} for r in rows], {"loss": list(d["row_loss"].unbind())})]
 
 
 def feed_policy(d: dict) -> list[Call]:
     # Twinkle's forms: logps per microbatch, ragged old_logps, one advantage per sequence, entropies.
-    return [([{"labels": labels} for labels in _split(d["labels"])],
-             {"logps": _split(d["logps"]), "entropies": _split(d["entropies"])},
-             {"old_logps": _ragged(d["old_logps"], d["labels"]), "advantages": list(d["advantages"].unbind())})]
+    return [Call([{"labels": labels} for labels in _split(d["labels"])],
+                 {"logps": _split(d["logps"]), "entropies": _split(d["entropies"])},
+                 {"old_logps": _ragged(d["old_logps"], d["labels"]), "advantages": list(d["advantages"].unbind())})]
 
 
 def feed_value_head(d: dict) -> list[Call]:
-    return [({"labels": d["labels"]}, {"values": d["values"]},
-             {"old_values": _ragged(d["old_values"], d["labels"]), "returns": _ragged(d["returns"], d["labels"]),
-              "advantages": list(d["advantages"].unbind())})]
+    return [Call({"labels": d["labels"]}, {"values": d["values"]},
+                 {"old_values": _ragged(d["old_values"], d["labels"]), "returns": _ragged(d["returns"], d["labels"]),
+                  "advantages": list(d["advantages"].unbind())})]
 
 
 def feed_pairs(d: dict) -> list[Call]:
-    return [([{"labels": labels} for labels in _split(d["labels"])], {"logps": _split(d["logps"])},
-             {"ref_outputs": {"logps": _split(d["ref_logps"])}})]
+    return [Call([{"labels": labels} for labels in _split(d["labels"])], {"logps": _split(d["logps"])},
+                 {"ref_outputs": {"logps": _split(d["ref_logps"])}})]
 
 
 def feed_embeddings(d: dict) -> list[Call]:
-    return [({"labels": d["anchors"]}, {"embeddings": d["embeddings"], "loss": d["call_loss"] * 1},
-             {"grad_norm": d["call_loss"] * 2})]
+    return [Call({"labels": d["anchors"]}, {"embeddings": d["embeddings"], "loss": d["call_loss"] * 1},
+                 {"grad_norm": d["call_loss"] * 2})]
 
 
 def feed_rewards(d: dict) -> list[Call]:
-    return [(None, None, {"rewards": {"accuracy": d["rewards"]}, "completion_lengths": d["lengths"],
-                          "generate_time": 1.5})]
+    return [Call(None, None, {"rewards": {"accuracy": d["rewards"]}, "completion_lengths": d["lengths"],
+                              "generate_time": 1.5})]
 
 
 def feed_train(d: dict) -> list[Call]:
-    return [(None, None, {"lr": [1e-4], "step": 4, "gradient_accumulation_steps": 2})]
-
-
-def run_calls(metric: Metric, calls: list[Call]) -> None:
-    for inputs, outputs, keywords in calls:
-        metric.accumulate(inputs, outputs, **keywords)
+    return [Call(None, None, {"lr": [1e-4], "step": 4, "gradient_accumulation_steps": 2})]
 
 
 @dataclass(frozen=True)
@@ -176,9 +170,10 @@ COLLECTION_CASES = [case for case in CASES if case.name in (
     "CompletionRewardMetric", "TrainMetric")]
 
 
-def rows_of(d: dict, rows: slice) -> dict:
-    """The data of some rows (a DP rank's block); per-call values stay whole."""
-    return {key: value[rows] if value.dim() >= 1 and value.shape[0] == ROWS else value for key, value in d.items()}
+def rows_of(d: dict, view: RankView) -> dict:
+    """The rows of ``d`` a DP rank holds (``view.rows``); per-call values stay whole."""
+    return {key: view.rows(value) if value.dim() >= 1 and value.shape[0] == ROWS else value
+            for key, value in d.items()}
 
 
 def poison(d: dict, key: str, row: int, col: int = 2) -> dict:
@@ -215,9 +210,9 @@ def dropped(case: Case, d: dict, row: int) -> list[Call]:
     """The calls for ``d`` without entry ``row`` of a per-value or per-reward input."""
     keep = [r for r in range(ROWS) if r != row]
     if case.calls is feed_row_loss:
-        return [([{"labels": d["labels"][r:r + 1]} for r in keep], {"loss": [d["row_loss"][r] for r in keep]}, {})]
-    return [(None, None, {"rewards": {"accuracy": d["rewards"][keep]}}),
-            (None, None, {"completion_lengths": d["lengths"], "generate_time": 1.5})]
+        return [Call([{"labels": d["labels"][r:r + 1]} for r in keep], {"loss": [d["row_loss"][r] for r in keep]})]
+    return [Call(None, None, {"rewards": {"accuracy": d["rewards"][keep]}}),
+            Call(None, None, {"completion_lengths": d["lengths"], "generate_time": 1.5})]
 
 
 def tensors_held(value: Any, seen: Optional[set] = None) -> list[torch.Tensor]:

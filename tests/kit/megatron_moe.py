@@ -44,7 +44,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
-from megatron_gpt import (
+
+from kit.megatron_gpt import (
     GPTSpec,
     SequenceParallelLayerNorm,
     build_gpt_model,

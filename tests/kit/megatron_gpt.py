@@ -2,8 +2,8 @@
 
 Test support for checking code that hooks into Megatron training (metrics in
 ``forward_step``) against a single-process reference. Use inside a worker of
-``tests/distributed.py`` (parallel_state initialised) and inside
-``cuda_shim.cpu_cuda_shim()``::
+``tests/kit/distributed.py`` (parallel_state initialised) and inside
+``kit.cuda_shim.cpu_cuda_shim()``::
 
     spec = GPTSpec()
     batch = make_batch(spec, global_batch_size=8)           # identical on every rank (seeded)
@@ -69,13 +69,13 @@ from megatron.core.transformer import TransformerConfig, transformer_block
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import get_attr_wrapped_model
 
+from kit.batches import cp_positions, cp_slice
+
 __all__ = [
     "GPTSpec",
     "GatherContextParallelAttention",
     "build_gpt_model",
     "canonical_names",
-    "cp_positions",
-    "cp_slice",
     "full_parameter",
     "gpt_forward_step",
     "layer_spec",
@@ -312,25 +312,6 @@ def load_layout_independent_weights(model: torch.nn.Module, spec: GPTSpec) -> No
 
 # --------------------------------------------------------------------------------------------------
 # Context parallelism (test-only attention)
-
-
-def cp_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global sequence positions held by CP rank ``cp_rank`` (chunks ``r`` and ``2·cp−1−r`` of ``2·cp``)."""
-    if cp_size == 1:
-        return torch.arange(seq_length)
-    if seq_length % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_length} is not divisible by 2·cp = {2 * cp_size}")
-    chunk = seq_length // (2 * cp_size)
-    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk) for i in (cp_rank, 2 * cp_size - 1 - cp_rank)])
-
-
-def cp_slice(tensor: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This CP rank's part of ``tensor`` along its sequence dimension ``dim`` (Megatron-LM's
-    ``get_batch_on_this_cp_rank``)."""
-    if cp_size == 1:
-        return tensor
-    index = cp_positions(tensor.size(dim), cp_size, cp_rank).to(tensor.device)
-    return tensor.index_select(dim, index)
 
 
 class _GatherSequence(torch.autograd.Function):

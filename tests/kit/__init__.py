@@ -1,0 +1,15 @@
+"""The test kit: everything the tests share, each thing in one module.
+
+* ``distributed``: ``run_distributed``, forked gloo ranks with megatron-core's ``parallel_state`` for a ``Layout``;
+* ``batches``: a rank's part of a global batch (``RankView``: DP rows, CP chunks, TP vocab columns), microbatches;
+* ``references``: argmax, label log-prob and entropy from full logits in float64, and the metrics' keys from them;
+* ``invariance``: ``assert_layout_invariant``, every layout against the single process, and ``assert_matches``;
+* ``guards``: the one dispatch-level guard: host syncs forbidden, collectives counted;
+* ``metric_cases``: every metric fed the way its callers feed it, from one synthetic batch;
+* ``ops_cases``: the input families of the vocab-parallel ops and their check against the reference;
+* ``megatron_gpt``: a tiny layout-independent megatron-core ``GPTModel`` and one step through its schedules;
+* ``cuda_shim``: megatron-core's CUDA calls on the CPU (also used by ``examples/train_gpt.py`` on CPU).
+
+Tests import the modules (``from kit.batches import RankView``); this file imports nothing, so that a script can
+take ``kit.cuda_shim`` alone.
+"""
