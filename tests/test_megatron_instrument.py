@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from kit.cuda_shim import cpu_cuda_shim
 from kit.distributed import Layout, run_distributed
-from kit.guards import forbid_host_sync
+from kit.guards import host_sync_free
 from kit.invariance import calculate_or_error
 from kit.megatron_gpt import (
     GPTSpec,
@@ -152,20 +152,12 @@ def _hooks_are_clean() -> dict:
             "last": parallel_state.is_pipeline_last_stage()}
 
 
-def _guarded(method):
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with forbid_host_sync():
-            return method(*args, **kwargs)
-    return run
-
-
 class _GuardedInstrumentation(MegatronInstrumentation):
     """Our hooks with every host sync made to raise (a raise is recorded and re-raised by calculate)."""
 
-    _before_model = _guarded(MegatronInstrumentation._before_model)
-    _after_output_layer = _guarded(MegatronInstrumentation._after_output_layer)
-    _accumulate = _guarded(MegatronInstrumentation._accumulate)
+    _before_model = host_sync_free(MegatronInstrumentation._before_model)
+    _after_output_layer = host_sync_free(MegatronInstrumentation._after_output_layer)
+    _accumulate = host_sync_free(MegatronInstrumentation._accumulate)
 
 
 def test_no_host_sync_no_logits_kept_no_hooks_left():

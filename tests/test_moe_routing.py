@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from kit.cuda_shim import cpu_cuda_shim
 from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives, forbid_host_sync
+from kit.guards import count_collectives, forbid_host_sync, host_sync_free
 from kit.megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
 from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config, recompute_rng_on_cpu
 from megatron.core import parallel_state
@@ -168,19 +168,11 @@ def reference(steps: int = 2, padding: bool = True) -> list[dict]:
 # ------------------------------------------------------------------ the instrumented distributed runs
 
 
-def _guarded(method):
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with forbid_host_sync():
-            return method(*args, **kwargs)
-    return run
-
-
 def _train_worker(tp: int, pp: int, ep: int, sequence_parallel: bool, recompute: bool, steps: int, padding: bool,
                   evaluate: bool, vpp: int | None) -> list[dict]:
     # Every host sync inside our router hooks raises; the failure is recorded and raised by calculate().
-    MoERoutingHooks._before_router = _guarded(MoERoutingHooks._before_router)
-    MoERoutingHooks._after_router = _guarded(MoERoutingHooks._after_router)
+    MoERoutingHooks._before_router = host_sync_free(MoERoutingHooks._before_router)
+    MoERoutingHooks._after_router = host_sync_free(MoERoutingHooks._after_router)
     init_parallel(tp, pp, ep, vpp)
     batch = _batch()
     overrides = dict(sequence_parallel=sequence_parallel)
@@ -347,7 +339,7 @@ def _single_process_checks() -> dict:
             return original(self, layer_number, routing_map, *args, **kwargs)
 
         MoERoutingMetric.record_routing = syncing
-        MoERoutingHooks._after_router = _guarded(MoERoutingHooks._after_router)
+        MoERoutingHooks._after_router = host_sync_free(MoERoutingHooks._after_router)
         guarded = instrument(chunks, vocab_size=SPEC.vocab_size)
         run_forward_backward(chunks, batch, micro_batch_size=MICRO_BATCH, forward_step_func=guarded.wrap(step),
                              forward_only=True)

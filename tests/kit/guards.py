@@ -24,8 +24,9 @@ other data lives, which on a GPU is no host copy.)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -129,6 +130,15 @@ def forbid_host_sync() -> Iterator[Guard]:
     """Raise :class:`HostSyncError` at the first host sync inside the block; count its collectives too."""
     with Guard(forbid=True).active() as guard:
         yield guard
+
+
+def host_sync_free(function: Callable) -> Callable:
+    """``function`` with :func:`forbid_host_sync` around every call (for patching a hook method in place)."""
+    @functools.wraps(function)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with forbid_host_sync():
+            return function(*args, **kwargs)
+    return guarded
 
 
 @contextlib.contextmanager
