@@ -14,17 +14,30 @@ import torch
 from kit.batches import RankView, split_microbatches
 from kit.cuda_shim import cpu_cuda_shim
 from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant, run_calls
+from kit.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
     gpt_forward_step,
+    lm_loss_func,
     make_batch,
     reference_forward,
     run_forward_backward,
 )
 
-from twinkle_megatron import Accuracy, DPOMetric, GRPOMetric, GSPOMetric, LossMetric, MetricCollection, TokenStatsMetric
+from twinkle_megatron import (
+    Accuracy,
+    CompletionRewardMetric,
+    DPOMetric,
+    EmbeddingMetric,
+    GRPOMetric,
+    GSPOMetric,
+    LossMetric,
+    MetricCollection,
+    MetricsTracker,
+    TokenStatsMetric,
+    TrainMetric,
+)
 from twinkle_megatron.megatron import instrument
 
 ROWS, SEQ, VOCAB, PADDED = 8, 8, 40, 48
@@ -139,6 +152,40 @@ def test_a_loss_per_microbatch_takes_one_group_id_per_microbatch():
                           loss_reduction="sum")
 
 
+def test_one_id_per_microbatch_with_whole_batch_outputs_applies_to_that_microbatchs_rows():
+    labels = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    logits = torch.nn.functional.one_hot(torch.tensor([[1, 0], [3, 4], [5, 0]]), 8).double()
+    metric = Accuracy(group_names=("a", "b"))
+    metric.accumulate([{"labels": labels[:1], "dataset_id": 0}, {"labels": labels[1:], "dataset_id": 1}],
+                      {"logits": logits})
+    result = metric.calculate()
+    assert (result["correct_tokens/a"], result["total_tokens/a"]) == (1, 2)
+    assert (result["correct_tokens/b"], result["total_tokens/b"]) == (3, 4)
+    # Without rows to repeat the ids over, differing ids cannot be applied to one whole-batch loss.
+    loss = LossMetric(group_names=GROUPS)
+    with pytest.raises(ValueError, match=r"'dataset_id'.*cannot be concatenated over microbatches"):
+        loss.accumulate([{"dataset_id": 0}, {"dataset_id": 2}], {"loss": 3.0})
+    # A key some microbatches lack would be applied to the wrong rows: refused.
+    with pytest.raises(ValueError, match="'completion_mask'] is given for some microbatches only"):
+        metric.accumulate([{"labels": labels[:1]}, {"labels": labels[1:], "completion_mask": torch.ones(2, 2)}],
+                          {"logits": logits})
+
+
+def test_ids_outside_the_groups_are_counted_in_tokens_by_every_metric():
+    """Megatron's per-microbatch reports and the logits of the same microbatches: the loss metric and the
+    logits metrics count the same tokens with an id outside the groups, so the collection reports one count."""
+    labels = torch.tensor([[1, 2, -100], [3, 4, 5]])
+    logits = torch.nn.functional.one_hot(torch.tensor([[1, 0, 0], [3, 4, 0]]), 8).double()
+    logits[1, 2] = float("nan")  # a non-finite token is still a token with an invalid id
+    collection = MetricCollection([Accuracy(group_names=GROUPS), LossMetric(group_names=GROUPS)])
+    collection.accumulate([{"labels": labels[:1], "dataset_id": 0}, {"labels": labels[1:], "dataset_id": 5}],
+                          {"logits": [logits[:1], logits[1:]], "loss": [4.0, 9.0], "num_tokens": [2, 3]},
+                          loss_reduction="sum")
+    result = collection.calculate()
+    assert result["invalid_group_ids"] == 3
+    assert (result["loss"], result["loss/web"]) == (13.0 / 5, 2.0)
+
+
 def test_group_ids_as_a_keyword_and_per_token():
     labels = torch.tensor([[1, 2, 3], [4, 5, 6]])
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 2, 0], [4, 0, 6]]), 8).double()
@@ -162,6 +209,11 @@ def test_bad_group_names_and_ids_are_refused():
         metric.accumulate({"labels": torch.ones(2, 3, dtype=torch.long), "dataset_id": torch.zeros(2)},
                           {"logits": torch.zeros(2, 3, 4)})
     assert Accuracy().group_names == ()
+    # Metrics without per-group statistics refuse groups rather than report nothing per group.
+    for metric in (EmbeddingMetric(group_names=("a",)), TrainMetric(group_names=("a",)),
+                   CompletionRewardMetric(group_names=("a",))):
+        with pytest.raises(ValueError, match="has no per-group statistics"):
+            metric.accumulate({}, {})
 
 
 # ------------------------------------------------------------------ through instrument() and the schedules
@@ -188,6 +240,46 @@ def _instrumented() -> dict:
             return metrics.calculate()
 
 
+def _recorded_by_hand() -> dict:
+    """A custom forward_step feeding the metrics itself (``record_microbatch``): the logits from a hook on
+    the last stage's logits, the loss report, per-token losses and the batch's dataset ids in its loss_func."""
+    with cpu_cuda_shim():
+        chunks = build_gpt_model(SPEC)
+        with instrument(chunks, vocab_size=TRUE_VOCAB, group_names=GROUPS) as metrics:
+            def on_logits(logits: torch.Tensor, batch: dict) -> None:
+                metrics.record_microbatch(logits=logits, labels=batch["labels"], loss_mask=batch["loss_mask"],
+                                          group_ids=batch["dataset_id"])
+
+            def forward_step(data_iterator, model):
+                batch = next(data_iterator)
+                output, _ = gpt_forward_step(iter([batch]), model, logits_hook=on_logits)
+
+                def loss_func(output_tensor: torch.Tensor):
+                    loss, num_tokens, report = lm_loss_func(batch["loss_mask"], output_tensor)
+                    metrics.record_microbatch(labels=batch["labels"], loss_mask=batch["loss_mask"],
+                                              loss=report["lm loss"][0], num_tokens=report["lm loss"][1],
+                                              group_ids=batch["dataset_id"], token_losses=output_tensor)
+                    return loss, num_tokens, report
+                return output, loss_func
+
+            run_forward_backward(chunks, _gpt_batch(), micro_batch_size=2, forward_only=True,
+                                 forward_step_func=forward_step)
+            return metrics.calculate()
+
+
+def _tracked(group_names: tuple) -> dict:
+    """The README's tracker recipe: the tracker pools Megatron's reports, the instrumented metrics report too."""
+    with cpu_cuda_shim():
+        chunks = build_gpt_model(SPEC)
+        with instrument(chunks, vocab_size=TRUE_VOCAB, group_names=group_names) as metrics:
+            tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=())
+            with tracker.step(1) as values:
+                reports = run_forward_backward(chunks, _gpt_batch(), micro_batch_size=2, forward_only=True,
+                                               forward_step_func=metrics.wrap(gpt_forward_step))
+                values.update(loss=reports)
+            return tracker.last_record
+
+
 def _reference_per_group() -> dict:
     batch = _gpt_batch()
     with cpu_cuda_shim():
@@ -207,6 +299,23 @@ def _reference_per_group() -> dict:
                           "entropy": float(-(logprobs.exp() * logprobs).sum(-1)[mask].mean()),
                           "loss": float(loss[mask].mean())}
     return results
+
+
+def test_with_groups_the_loss_stays_megatrons_and_the_tracker_agrees():
+    """The per-group losses come from GPTModel's per-token losses; ``loss`` itself stays the pooled
+    ``[sum, count]`` reports, exactly what the tracker pools from the same reports (no clash in the merge)."""
+    grouped = run_distributed(_tracked, layout=Layout(pp=2, dp=2), args=(GROUPS,), timeout=120)
+    plain = run_distributed(_tracked, layout=Layout(pp=2, dp=2), args=((),), timeout=120)
+    assert grouped[0]["loss"] == plain[0]["loss"]
+    assert {f"loss/{group}" for group in GROUPS} <= set(grouped[0])
+
+
+def test_a_custom_forward_step_records_its_groups_by_hand():
+    by_hand = run_distributed(_recorded_by_hand, layout=Layout(tp=2, pp=2), timeout=120)
+    wrapped = run_distributed(_instrumented, layout=Layout(tp=2, pp=2), timeout=120)
+    assert all(result == by_hand[0] for result in by_hand)
+    assert {f"loss/{group}" for group in GROUPS} | {f"accuracy/{group}" for group in GROUPS} <= set(by_hand[0])
+    assert_matches(by_hand[0], wrapped[0], rel=1e-6)
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2, pp=2), Layout(pp=2, dp=2)], ids=str)

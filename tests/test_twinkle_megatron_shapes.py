@@ -69,9 +69,11 @@ def references() -> dict:
     }
 
 
-def feed_twinkle_megatron(collection: MetricCollection, batch: dict, view: RankView, num_microbatches: int) -> list:
+def feed_twinkle_megatron(collection: MetricCollection, batch: dict, view: RankView, variant: tuple[int, bool]) -> list:
     """(inputs, outputs) exactly as Twinkle's MegatronModel gives them to this rank's metrics, with the
-    keywords of its optimizer group and GRPO's ragged per-sample lists (the counted tokens' values, in order)."""
+    keywords of its optimizer group and GRPO's ragged per-sample lists (the counted tokens' values, in order).
+    ``variant``: the number of microbatches, and whether the data has a ``completion_mask`` (RL data does)."""
+    num_microbatches, with_completion_mask = variant
     local = {key: view.rows(value) for key, value in batch.items()}
     inputs = []
     for ids, labels in zip(split_microbatches(local["input_ids"], num_microbatches),
@@ -79,6 +81,8 @@ def feed_twinkle_megatron(collection: MetricCollection, batch: dict, view: RankV
         inputs.append({"input_ids": view.chunks(ids),
                        "labels": labels if view.last_stage else view.chunks(labels),
                        "position_ids": torch.arange(SEQ)[None].expand(labels.shape[0], -1)})
+        if with_completion_mask:
+            inputs[-1]["completion_mask"] = view.chunks(labels != -100)
     if view.last_stage:
         outputs = {"loss": 2.5, "logits": view.vocab(view.chunks(local["logits"])).contiguous(),
                    "logps": local["logps"]}
@@ -97,16 +101,19 @@ def make_collection(_=None) -> MetricCollection:
 @pytest.mark.parametrize("layout", [Layout(pp=2, dp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2),
                                     Layout(tp=2, cp=2), Layout(cp=2, pp=2)], ids=str)
 def test_twinkle_megatron_model_shapes_give_the_single_process_result(layout):
-    batch, variants = global_batch(), (1, 2)  # microbatches
+    batch = global_batch()
+    variants = [(count, with_mask) for count in (1, 2) for with_mask in (False, True)]
     single = run_variants(make_collection, batch, feed_twinkle_megatron, variants, RankView())
 
-    def expected(layout: Layout, count: int) -> dict:
+    def expected(layout: Layout, variant: tuple[int, bool]) -> dict:
         """Every key as the same collection reports it in one process on the whole batch, and those with a
         full-vocabulary reference as that says. GRPO's entropy from logits (no vocab_size given: over every
         column) needs the logits and log-probs of the same tokens: under CP Twinkle gathers the log-probs and
-        not the logits, so GRPO leaves ``train/entropy`` out there (its documented limitation)."""
-        result = {**single[variants.index(count)].result, **references()}
-        return {k: v for k, v in result.items() if k != "train/entropy" or layout.cp == 1}
+        not the logits, so without a (local) completion_mask to cut the log-probs to this rank's chunks GRPO
+        leaves ``train/entropy`` out there (its documented limitation)."""
+        result = {**single[variants.index(variant)].result, **references()}
+        with_mask = variant[1]
+        return {k: v for k, v in result.items() if k != "train/entropy" or layout.cp == 1 or with_mask}
 
     assert_layout_invariant(make_collection, batch, [layout], feed=feed_twinkle_megatron, variants=variants,
                             expected=expected, rel=1e-5, calculate_collectives={"all_reduce": 2})  # still one sync
@@ -121,6 +128,23 @@ def test_gathered_labels_with_local_logits_are_cut_to_this_cp_rank_single_proces
     batch = global_batch()
     assert_layout_invariant(lambda _: Accuracy(vocab_size=VOCAB), batch, [Layout(cp=2)], feed=feed,
                             expected=accuracy_reference(batch["logits"], batch["labels"], vocab_size=VOCAB))
+
+
+def test_a_ragged_array_of_the_wrong_length_is_counted_once_over_cp_ranks():
+    """Whole labels, a local completion_mask, ragged old_logps with one sequence one value short: the arrays
+    are laid onto the whole labels on every CP rank, and the misaligned sequence is counted once."""
+
+    def feed(metric: GRPOMetric, batch: dict, view: RankView, _) -> list[Call]:
+        labels = batch["labels"]
+        old = [row[row_labels != -100].tolist() for row, row_labels in zip(batch["old_logps"], labels)]
+        old[3] = old[3][:-1]
+        return [Call({"labels": labels, "completion_mask": view.chunks(labels != -100),
+                      "input_ids": view.chunks(batch["input_ids"])},
+                     {"logps": batch["logps"]}, {"old_logps": old, "advantages": batch["advantages"].tolist()})]
+
+    runs = assert_layout_invariant(lambda _: GRPOMetric(), global_batch(), [Layout(cp=2)], feed=feed,
+                                   accumulate_collectives={})
+    assert runs[Layout(cp=2)][0][0].result["train/misaligned_arrays"] == 1
 
 
 def test_mismatched_lengths_under_cp_say_which_tensor_is_which():

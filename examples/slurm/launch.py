@@ -27,11 +27,12 @@ number of GPUs, and replaces itself with::
 must accept ``--tp``, ``--pp``, ``--vpp`` (when given), ``--cp`` (when > 1),
 ``--run-name``, ``--log-dir`` and ``--resume``, as ``examples/train_gpt.py`` does.
 
-Standard library only, and not part of the ``twinkle_megatron`` package: the
-flags above are the demo's conventions, not the plugin's API; copy this file
-next to your own training script and adapt them. It starts in milliseconds on
-every node (no torch import) and is unit-tested with fake ``SLURM_*``
-variables in ``tests/test_slurm.py``.
+Not part of the ``twinkle_megatron`` package: the flags above are the demo's
+conventions, not the plugin's API; copy this file next to your own training
+script and adapt them. Besides the standard library it imports only the
+package's ``Layout`` (the same validation the training script and the tests
+use), which loads torch: about 2 s once per node, before ``torchrun`` loads it
+again. Unit-tested with fake ``SLURM_*`` variables in ``tests/test_slurm.py``.
 """
 
 from __future__ import annotations

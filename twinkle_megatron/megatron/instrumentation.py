@@ -211,9 +211,10 @@ class MegatronInstrumentation:
             if group_ids is not None:
                 inputs[self.group_key] = group_ids
                 # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the
-                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups).
+                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups);
+                # the global loss stays the report's.
                 if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
-                    outputs = {**outputs, "loss": output_tensor.detach().reshape(labels.shape), "num_tokens": None}
+                    outputs["token_losses"] = output_tensor.detach().reshape(labels.shape)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
 
@@ -221,22 +222,32 @@ class MegatronInstrumentation:
 
     def record_microbatch(self, *, logits: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                           loss_mask: Optional[torch.Tensor] = None, loss: Any = None, num_tokens: Any = None,
-                          logits_layout: Optional[str] = None) -> None:
+                          logits_layout: Optional[str] = None, group_ids: Any = None,
+                          token_losses: Optional[torch.Tensor] = None) -> None:
         """For custom ``forward_step``\\ s: feed one microbatch by hand (last pipeline stage only).
 
         ``logits`` is this rank's vocab shard (``[b, s, V/tp]`` or ``[s, b, V/tp]``),
         read before any in-place loss; ``loss`` is the microbatch's loss *sum*
-        over ``num_tokens`` tokens (Megatron-LM's per-token convention).
+        over ``num_tokens`` tokens (Megatron-LM's per-token convention). With
+        ``group_names``: ``group_ids`` (one per sample, per token, or one number)
+        and, for the per-group loss, ``token_losses`` (per token, shaped like
+        ``labels``: GPTModel's output with ``labels=``).
         """
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {}
-        if logits is not None and labels is not None:
-            stats = logits_token_stats(logits.detach(), labels, self.context, self.vocab_size,
-                                       logits_layout, self.ignore_index)
-            inputs = {"labels": labels} if loss_mask is None else {"labels": labels, "completion_mask": loss_mask}
-            outputs["token_stats"] = stats
+        if labels is not None:
+            inputs["labels"] = labels
+            if loss_mask is not None:
+                inputs["completion_mask"] = loss_mask.reshape(labels.shape)
+            if logits is not None:
+                outputs["token_stats"] = logits_token_stats(logits.detach(), labels, self.context, self.vocab_size,
+                                                            logits_layout, self.ignore_index)
+        if group_ids is not None:
+            inputs[self.group_key] = group_ids
         if loss is not None:
             outputs.update(loss=loss, num_tokens=num_tokens)
+            if token_losses is not None:
+                outputs["token_losses"] = token_losses.detach()
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
 
     # ------------------------------------------------------------ results etc.

@@ -74,6 +74,10 @@ class StateSpec:
 def _without_autograd(accumulate: Callable) -> Callable:
     @functools.wraps(accumulate)
     def accumulate_without_autograd(self: Metric, *args: Any, **kwargs: Any) -> Any:
+        if self.group_names and not any(name.endswith(GROUPED_SUFFIX) for name in self._specs):
+            # Known only once the subclass declared its states: at the first call, before any state changes.
+            raise ValueError(f"{type(self).__name__} has no per-group statistics; group_names={self.group_names} "
+                             "would report nothing per group (use it on the token-level metrics)")
         with torch.no_grad():
             return accumulate(self, *args, **kwargs)
 
@@ -185,6 +189,10 @@ class Metric(_Base):
     def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups] = None) -> None:
         """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per group to its twin."""
         self._add(name, values.sum(dtype=torch.float64))
+        self._add_to_groups(name, values, groups)
+
+    def _add_to_groups(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups]) -> None:
+        """Add Σ ``values`` per group to ``name``'s twin only (``name`` itself has its total from elsewhere)."""
         if groups is not None and name + GROUPED_SUFFIX in self._specs:
             self._add(name + GROUPED_SUFFIX, groups.sum(values))
 
@@ -196,12 +204,13 @@ class Metric(_Base):
             self._maximum(name + GROUPED_SUFFIX, groups.max(values))
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor) -> Optional[TokenGroups]:
-        """The groups of a microbatch's tokens (see :mod:`.groups`); counted tokens with an id outside
-        ``[0, G)`` are added to ``invalid_group_ids``. None without ``group_names`` or ids."""
+        """The groups of a microbatch's tokens (see :mod:`.groups`); ``counted`` tokens (the metric's token
+        mask, before non-finite values are left out: the same tokens in every metric fed the same inputs)
+        with an id outside ``[0, G)`` are added to ``invalid_group_ids``. None without ``group_names`` or ids."""
         if not self.group_names or ids is None:
             return None
         groups = token_groups(ids, like, len(self.group_names))
-        self._add(INVALID_GROUP_IDS, (counted & ~groups.valid).sum())
+        self._add(INVALID_GROUP_IDS, (counted * ~groups.valid).sum())  # a mask, or a microbatch's count
         return groups
 
     def group_ids_of(self, batch: Any, output: Any) -> Any:

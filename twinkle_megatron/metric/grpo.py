@@ -150,7 +150,7 @@ class GRPOMetric(Metric):
         batches = sequence_batches(inputs, source, "logps", ("entropies", "logits", "token_stats"),
                                    {"old_logps": old_logps, "advantages": advantages}, self.context,
                                    self.cp_gathered, type(self).__name__, extra=self._per_token_extras,
-                                   group_ids=self.group_ids_of)
+                                   group_ids=self.group_ids_of, ignore_index=self.ignore_index)
         for batch in batches:
             if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
                 global_positions(batch.tensors["logps"].shape[-1], self.context, batch.complete)
@@ -213,6 +213,7 @@ class GRPOMetric(Metric):
             advantage_tokens, misaligned = token_values(advantage, mask)
             finite &= torch.isfinite(advantage_tokens)
             self._add("misaligned_arrays", misaligned)
+        self._add("misaligned_arrays", batch.misaligned_arrays)
         valid = mask & finite
         zero = torch.zeros((), dtype=torch.float64, device=device)
         groups = self._token_groups(batch.group_ids, mask, mask)

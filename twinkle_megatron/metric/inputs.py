@@ -93,31 +93,61 @@ class ConcatenatedBatch(Mapping):
         self._merged: dict[str, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self.parts[0]:
+        if key not in self:
             raise KeyError(key)
         if key not in self._merged:
-            self._merged[key] = _concatenate([part.get(key) for part in self.parts], key)
+            self._merged[key] = _concatenate([part.get(key) for part in self.parts], key, self.parts)
         return self._merged[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self.parts[0]
+        return any(key in part for part in self.parts)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.parts[0])
+        return iter(dict.fromkeys(key for part in self.parts for key in part))
 
     def __len__(self) -> int:
-        return len(self.parts[0])
+        return len(dict.fromkeys(key for part in self.parts for key in part))
 
 
-def _concatenate(values: list, key: str) -> Any:
-    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
-        if len({tuple(v.shape[1:]) for v in values}) > 1:
-            raise ValueError(f"inputs[*][{key!r}] cannot be concatenated over microbatches: shapes "
-                             f"{[tuple(v.shape) for v in values]} differ beyond the batch dimension")
-        return torch.cat(values, dim=0)
+def _concatenate(values: list, key: str, parts: Sequence[Mapping[str, Any]]) -> Any:
+    """One microbatch key over the whole call: tensors and lists concatenated along the batch, a number
+    per microbatch (a ``dataset_id``) repeated for each of that microbatch's rows; never one part's value
+    for all of them."""
+    if all(v is None for v in values):
+        return None
+    if any(v is None for v in values):
+        raise ValueError(f"inputs[*][{key!r}] is given for some microbatches only; the outputs are one value for "
+                         "the whole batch, so it cannot be applied to the microbatches that have it")
     if all(isinstance(v, (list, tuple)) for v in values):
         return [item for v in values for item in v]
-    return values[0]
+    if not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+        batched = all(_is_scalar(v) or (isinstance(v, torch.Tensor) and v.dim() > 0) for v in values)
+        if batched and all(_rows(part) is not None for v, part in zip(values, parts) if _is_scalar(v)):
+            values = [torch.as_tensor(v).reshape(1).expand(_rows(part)) if _is_scalar(v) else v
+                      for v, part in zip(values, parts)]
+        elif all(isinstance(v, (bool, int, float, str)) for v in values) and len(set(values)) == 1:
+            return values[0]  # the same value for every microbatch, and no rows to repeat it over
+        else:
+            raise ValueError(f"inputs[*][{key!r}] ({[type(v).__name__ for v in values]}) cannot be concatenated "
+                             "over microbatches for outputs given for the whole batch; give the outputs per "
+                             "microbatch, or per-sample tensors")
+    if len({tuple(v.shape[1:]) for v in values}) > 1:
+        raise ValueError(f"inputs[*][{key!r}] cannot be concatenated over microbatches: shapes "
+                         f"{[tuple(v.shape) for v in values]} differ beyond the batch dimension")
+    return torch.cat(values, dim=0)
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+
+
+def _rows(part: Mapping[str, Any]) -> Optional[int]:
+    """A microbatch's number of sequences: the batch dimension of its labels (or input ids)."""
+    for key in ("labels", "input_ids"):
+        value = part.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0] if value.dim() > 1 else 1
+    return None
 
 
 def count_tokens(batch: Mapping[str, Any], ignore_index: int = -100) -> torch.Tensor:

@@ -57,7 +57,7 @@ class LogitsMetric(Metric):
             classes = classify_tokens(aligned.stats, mask)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
-            yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, classes.counted)
+            yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask)
 
     def _token_problems(self, states: StateValues) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

@@ -34,6 +34,13 @@ class LossMetric(Metric):
     whatever ``loss_reduction`` says. Only the last pipeline stage and TP rank 0
     count (TP ranks repeat the loss).
 
+    Per group (``group_names``): a microbatch's value with one group id goes to
+    that group; per-sample or per-token ids need per-token losses, either as
+    ``loss`` or, next to a microbatch's ``[sum, count]`` report, as
+    ``outputs['token_losses']`` (what ``instrument()`` passes: GPTModel's
+    per-token losses), which feed only the per-group ``loss/<group>`` so that
+    ``loss`` stays the report's.
+
     A non-finite loss value (or token loss) is left out and counted in
     ``nonfinite_losses``; ``grad_norm`` is the latest finite value passed (max
     over ranks), a non-finite one is counted in ``nonfinite_grad_norms``.
@@ -78,10 +85,12 @@ class LossMetric(Metric):
         reduction = _check_reduction(call_value("loss_reduction", kwargs, outputs, self.loss_reduction))
         num_tokens = call_value("num_tokens", kwargs, outputs)
         group_ids = call_value("group_ids", kwargs, outputs)
+        token_losses = outputs.get("token_losses") if self.group_names and hasattr(outputs, "get") else None
         given = {"loss": loss}
         given.update({} if num_tokens is None else {"num_tokens": num_tokens})
         given.update({} if group_ids is None else {"group_ids": group_ids})
-        for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids")):
+        given.update({} if token_losses is None else {"token_losses": token_losses})
+        for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
             loss = self._as_state("loss_sum", output["loss"])
             ids = self.group_ids_of(batch, output)
             if loss.numel() == 1:
@@ -90,18 +99,37 @@ class LossMetric(Metric):
                 weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
                           if reduction == "sum" else torch.ones_like(loss))
                 nonfinite = ~valid
+                if output.get("token_losses") is not None and ids is not None:
+                    self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)))
+                    self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)))
+                    self._add("nonfinite_losses", nonfinite.sum())
+                    self._add_group_token_losses(batch, output["token_losses"], ids)
+                    continue
                 if ids is not None and torch.as_tensor(ids).dim() > 0:
                     raise ValueError("a loss value for the whole microbatch needs one group id for the whole "
                                      "microbatch (or pass per-token losses with per-sample or per-token ids)")
+                # Invalid ids are counted in tokens (as every metric counts them): a mean's tokens from its labels.
+                grouped = self.group_names and ids is not None
+                counted = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
             else:
                 loss, valid, nonfinite, ids = self._token_losses(batch, loss, ids)
                 if valid is None:
                     continue
                 weight = valid.to(torch.float64)
-            groups = self._token_groups(ids, valid, valid)
+                counted = valid | nonfinite
+            groups = self._token_groups(ids, valid, counted)
             self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)), groups)
             self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)), groups)
             self._add("nonfinite_losses", nonfinite.sum())
+
+    def _add_group_token_losses(self, batch: Any, token_losses: Any, ids: Any) -> None:
+        """Per-token losses next to a microbatch's report: the per-group sums only."""
+        losses, valid, nonfinite, ids = self._token_losses(batch, self._as_state("loss_sum", token_losses), ids)
+        if valid is None:
+            return
+        groups = self._token_groups(ids, valid, valid | nonfinite)
+        self._add_to_groups("loss_sum", torch.where(valid, losses, torch.zeros_like(losses)), groups)
+        self._add_to_groups("weight", valid.to(torch.float64), groups)
 
     def _token_losses(self, batch: Any, loss: torch.Tensor, ids: Any) -> tuple:
         """Per-token losses matched under CP: (losses, counted finite tokens, counted non-finite tokens, group

@@ -77,7 +77,7 @@ class PPOValueMetric(Metric):
                 or per_sequence["returns"] is None:
             return
         for batch in sequence_batches(inputs, outputs, "values", (), per_sequence, self.context, self.cp_gathered,
-                                      "PPOValueMetric"):
+                                      "PPOValueMetric", ignore_index=self.ignore_index):
             if batch.counted_here:
                 self._accumulate_microbatch(batch)
 
@@ -86,6 +86,7 @@ class PPOValueMetric(Metric):
         device = values.device
         mask = batch.token_mask("values", self.ignore_index)
         finite = torch.isfinite(values)
+        self._add("misaligned_arrays", batch.misaligned_arrays)
         per_token = {}
         for name, given_values in batch.per_sequence.items():
             if given_values is None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 import torch
 
 from ..parallel import ParallelContext
-from .context_parallel import SequenceTensors, align_to_cp_rank, local_sequence_length
+from .context_parallel import SequenceTensors, align_to_cp_rank, local_sequence_length, this_rank_chunks
 from .inputs import check_same_shape, microbatches, to_device, token_mask
 
 
@@ -59,7 +59,7 @@ def split_per_microbatch(values: Any, name: str, shapes: Sequence[tuple[int, ...
     if not whole_sequences and not all(_is_number(item) for item in values):
         raise ValueError(f"{name}: per-token arrays need whole sequences, but each context-parallel rank holds "
                          "chunks of them; pass a tensor shaped like this rank's logps, one number per sequence, "
-                         "or data gathered over CP (cp_gathered=True)")
+                         "or the labels gathered over CP (whole sequences) with them")
     pieces, start = [], 0
     for count in rows:
         pieces.append(list(values[start:start + count]))
@@ -142,6 +142,9 @@ class SequenceBatch(NamedTuple):
     complete: bool  # whole sequences on every CP rank (see CPAlignment)
     counted_here: bool
     group_ids: Any = None  # per sample, or per token (then matched under CP with the rest)
+    # Sequences whose ragged array was matched to whole gathered labels before the cut to this CP rank's
+    # chunks (see sequence_batches) and did not have one value per counted token: counted on CP rank 0.
+    misaligned_arrays: Any = 0.0
 
     def token_mask(self, anchor: str, ignore_index: int) -> torch.Tensor:
         """The tokens that count (``labels != ignore_index`` and ``completion_mask``), on the anchor's device."""
@@ -157,7 +160,8 @@ ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], Se
 def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, output_keys: Sequence[str],
                      per_sequence: Mapping[str, Any], context: ParallelContext, cp_gathered: Optional[bool],
                      metric: str, extra: Optional[ExtraTensors] = None,
-                     group_ids: Optional[Callable[[Any, Any], Any]] = None) -> list[SequenceBatch]:
+                     group_ids: Optional[Callable[[Any, Any], Any]] = None,
+                     ignore_index: int = -100) -> list[SequenceBatch]:
     """The microbatches of one ``accumulate`` call of a sequence-level metric, all checked first.
 
     ``anchor`` is the per-token output the metric is about (``logps``,
@@ -167,9 +171,16 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     tensors to match under CP, ``group_ids(batch, output)`` the microbatch's group
     ids (per token ones are matched under CP too). Every shape is checked
     (``ValueError``) before the caller changes any state.
+
+    Twinkle's Megatron model under CP hands whole (gathered) ``labels`` and
+    ``logps`` next to a ``completion_mask`` of this rank's chunks, so the whole
+    tensors are cut to the chunks; a ragged per-sequence array (one value per
+    counted token, counted by ``labels != ignore_index`` like Twinkle's
+    ``align_logps_to_mask``) is then laid onto the whole labels first and cut
+    with them.
     """
     pairs = microbatches(inputs, outputs, (anchor, *output_keys, "group_ids"))
-    aligned, ids_of = [], []
+    aligned, ids_of, whole_labels = [], [], []
     for batch, output in pairs:
         labels = labels_2d(batch, metric)
         tensors: SequenceTensors = {anchor: (as_rows(output[anchor]), 1), "labels": (labels, 1)}
@@ -183,18 +194,31 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
             tensors["group_ids"] = (ids, 1)
         cp = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
         ids_of.append(cp.tensors.pop("group_ids") if per_token_ids else ids)
+        whole_labels.append(labels if labels.shape[-1] != cp.tensors["labels"].shape[-1] else None)
         labels = cp.tensors["labels"]
         for name, tensor in cp.tensors.items():
             if name != "labels" and tensor.dim() == 2:
                 check_same_shape("labels", labels, name, tensor)
         aligned.append(cp)
     shapes = [tuple(cp.tensors[anchor].shape) for cp in aligned]
-    whole_sequences = all(cp.complete for cp in aligned)
+    # Ragged arrays can be laid onto whole sequences: labels that are whole here, or were before the cut.
+    whole_sequences = all(cp.complete or whole is not None for cp, whole in zip(aligned, whole_labels))
     pieces = {name: split_per_microbatch(values, name, shapes, whole_sequences)
               for name, values in per_sequence.items()}
+    misaligned: list[Any] = [0.0] * len(aligned)
+    for index, whole in enumerate(whole_labels):
+        if whole is None:
+            continue
+        for piece in pieces.values():
+            if isinstance(piece[index], list) and not all(_is_number(item) for item in piece[index]):
+                whole_mask = token_mask(to_device(whole, aligned[index].tensors[anchor].device), None, ignore_index)
+                tokens, count = token_values(piece[index], whole_mask)
+                piece[index] = this_rank_chunks(tokens, 1, context)
+                misaligned[index] = misaligned[index] + count * (1.0 if context.cp_rank == 0 else 0.0)
     batches, first_sequence = [], 0
     for index, ((_, output), cp) in enumerate(zip(pairs, aligned)):
         batches.append(SequenceBatch(cp.tensors, output, {name: piece[index] for name, piece in pieces.items()},
-                                     first_sequence, cp.complete, cp.counted_here(context), ids_of[index]))
+                                     first_sequence, cp.complete, cp.counted_here(context), ids_of[index],
+                                     misaligned[index]))
         first_sequence += shapes[index][0]
     return batches

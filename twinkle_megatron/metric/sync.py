@@ -32,7 +32,10 @@ sizes may differ, and a mismatched all-reduce aborts or hangs the job): every
 rank raises :class:`MetricSyncError` naming what each holds. The MAX buffer is
 padded to a multiple of ``MAX_BUFFER_QUANTUM`` elements, so collections that
 differ only in their ``max``/``min`` states still meet in all-reduces of one
-size (8 KiB: latency-bound, as cheap as a few bytes). Records, when any metric
+size (8 KiB: latency-bound, as cheap as a few bytes) — when their sizes round
+up to the same multiple; ranks whose MAX buffers differ by a quantum or more
+cannot be told apart without one more collective on every step, and meet a
+mismatched all-reduce (gloo raises, NCCL may hang). Records, when any metric
 has them, cost one more collective (an object all-gather).
 
 **Metrics written Twinkle's way** (their own ``calculate()``, e.g. with

@@ -60,10 +60,6 @@ class ParallelContext:
             return False
         return not cp_gathered or self.cp_rank == 0
 
-    def counts_sequences(self, cp_gathered: bool = False) -> bool:
-        """Whether this rank adds per-sequence counts: once per CP group, whose ranks share each sequence."""
-        return cp_gathered or self.cp_rank == 0
-
     @property
     def reduce_size(self) -> int:
         if not self.distributed:
