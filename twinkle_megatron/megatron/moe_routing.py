@@ -37,7 +37,9 @@ float64: exact) to a ``[layers]`` sum state, with a weight in a second one:
   one TP×DP×CP, each holding a part of one microbatch's loss): weight ``1/|G|``,
   so a layer reports ``Σ value / Σ 1/|G|`` over ranks and microbatches: summed
   over ``G``, averaged over microbatches and the other (data-parallel) ranks —
-  exactly Megatron-LM's ``track_moe_metrics`` reduction;
+  exactly Megatron-LM's ``track_moe_metrics`` reduction in megatron-core 0.16
+  (before it, that reduction leaves out the DP average, so Megatron-LM logs its
+  last rank's own value; the DP mean here does not depend on which rank logs);
 - the z-loss has none: each rank's value is the mean of ``logsumexp(z_t)²``
   over its own (non-padding) tokens ``T_r``; it is added as ``value·T_r`` with
   weight ``T_r``, so a layer reports the mean over *all* tokens of all ranks.
@@ -444,11 +446,12 @@ def router_logits(router: torch.nn.Module, hidden: torch.Tensor) -> Optional[tor
     """The router's logits for ``hidden``, as its forward computes them (before jitter / forced balancing).
 
     ``Router.gating`` is megatron-core's ``router_gating_linear(input, weight, bias,
-    router_dtype)`` with ``router_dtype`` from ``moe_router_dtype``, after a one-time
-    move of CPU-initialised weights to the GPU (done by the forward already). That
-    function is called here directly, so a hook never touches the weights; a router
-    class that overrides ``gating`` has its own ``gating`` called. None for a router
-    without one.
+    router_dtype)`` (``(input, weight, router_dtype)`` before routers had a bias,
+    megatron-core 0.13 and 0.14) with ``router_dtype`` from ``moe_router_dtype``, after a
+    one-time move of CPU-initialised weights to the GPU (done by the forward already).
+    That function is called here directly, so a hook never touches the weights; a
+    router class that overrides ``gating`` has its own ``gating`` called. None for a
+    router without one.
     """
     try:
         from megatron.core.transformer.moe import moe_utils
@@ -459,7 +462,9 @@ def router_logits(router: torch.nn.Module, hidden: torch.Tensor) -> Optional[tor
     if Router is not None and gating_linear is not None and type(router).gating is Router.gating:
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(getattr(router.config, "moe_router_dtype", None),
                                                                    hidden.dtype)
-        return gating_linear(hidden, router.weight, router.bias, dtype)
+        if hasattr(router, "bias"):  # releases whose routers have a bias (None when off) pass it
+            return gating_linear(hidden, router.weight, router.bias, dtype)
+        return gating_linear(hidden, router.weight, dtype)
     gating = getattr(router, "gating", None)
     return gating(hidden) if gating is not None else None
 
