@@ -8,7 +8,8 @@ dispatcher; the all-to-all one cannot run on gloo, see tests/kit/megatron_moe.py
 with sequence parallelism, and evaluated under TP2 without it. After every
 step, ``instrument()``'s ``calculate()`` must equal a single-process reference
 counted from the routers' own routing maps (captured there by a plain forward
-hook): tokens per expert per layer exactly, padding tokens excluded, routing
+hook): tokens per expert per layer exactly, padding tokens excluded (where
+GPTModel takes megatron-core's MoE ``padding_mask``: 0.16 on), routing
 entropy from the router logits in float64, Megatron's aux and z losses as
 Megatron-LM's own ``track_moe_metrics`` reduces them. Layer 1 has a planted
 collapsed router (every token to the same two experts) and must be reported so.
