@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
+from kit.readme import key_table
 
 from twinkle_megatron import keys
 from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floating_point_operations
 from twinkle_megatron.tracker import step_states as tracker_module
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _readme_key_table() -> list[str]:
-    """The first column of the README's tracker key table (between its markers)."""
-    text = (ROOT / "README.md").read_text()
-    table = text.split("<!-- tracker keys -->")[1].split("<!-- /tracker keys -->")[0]
-    return [match.group(1) for match in re.finditer(r"^\| `([^`]+)` \|", table, re.M)]
-
 
 def test_the_readme_lists_exactly_the_key_table():
-    assert _readme_key_table() == [key for key, _ in keys.TRACKER_KEYS]
+    assert key_table("tracker") == [key for key, _ in keys.TRACKER_KEYS]
 
 
 def test_every_key_the_tracker_reports_is_in_the_table(monkeypatch):

@@ -25,7 +25,6 @@ import importlib.util
 import inspect
 import json
 import math
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from kit.distributed import Layout, run_distributed
 from kit.guards import count_collectives, forbid_host_sync, host_sync_free
 from kit.megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
 from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config, recompute_rng_on_cpu
+from kit.readme import key_table
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
@@ -500,14 +500,8 @@ def test_recording_makes_no_host_sync():
 # ------------------------------------------------------------------ the key table, the plot
 
 
-def _readme_moe_table() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    table = text.split("<!-- moe keys -->")[1].split("<!-- /moe keys -->")[0]
-    return [match.group(1) for match in re.finditer(r"^\| `([^`]+)` \|", table, re.M)]
-
-
 def test_the_readme_lists_exactly_the_moe_key_table():
-    assert _readme_moe_table() == [key for key, _ in keys.MOE_KEYS]
+    assert key_table("moe") == [key for key, _ in keys.MOE_KEYS]
     assert all(key.startswith(keys.MOE_PREFIX) for key, _ in keys.MOE_KEYS)
 
 
