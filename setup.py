@@ -2,8 +2,8 @@ import re
 
 from setuptools import find_packages, setup
 
-# One version, in the package (twinkle_megatron.__version__, `twinkle-megatron --version`).
-VERSION = re.search(r'^__version__ = "([^"]+)"', open("twinkle_megatron/__init__.py", encoding="utf-8").read(),
+# One version, in the package's version module (twinkle_megatron.__version__, `twinkle-megatron --version`).
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("twinkle_megatron/version.py", encoding="utf-8").read(),
                     re.M).group(1)
 
 extras = {

@@ -19,8 +19,7 @@ from .metric import (
 )
 from .parallel import ParallelContext
 from .tracker import MetricsTracker, TrackerConfig
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric",
            "GSPOMetric", "CISPOMetric", "PPOMetric", "PPOValueMetric", "DPOMetric", "EmbeddingMetric",

@@ -31,8 +31,9 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence, TextIO
 
-from . import __version__, keys
+from . import keys
 from .logging.runlog import RunLog, RunLogError, load_run
+from .version import __version__
 
 PROG = "twinkle-megatron"
 MATPLOTLIB_HINT = ("pip install matplotlib (from a checkout of twinkle-megatron: pip install -e '.[plot]')")

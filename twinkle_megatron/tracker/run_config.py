@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..parallel import ParallelContext
+from ..version import __version__
 
 _MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "gated_linear_unit", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
@@ -52,8 +53,6 @@ def build_run_config(context: ParallelContext, *, model_config: Any = None, padd
 
 
 def _versions() -> dict[str, str]:
-    from .. import __version__
-
     versions = {"twinkle_megatron": __version__, "torch": torch.__version__, "python": platform.python_version()}
     try:
         from importlib.metadata import version
