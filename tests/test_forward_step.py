@@ -193,3 +193,25 @@ def test_the_report_entries_are_device_tensors_built_without_a_host_sync():
         assert all(keys == r["keys"][0] for keys in r["keys"]), "every microbatch reports the same keys, in order"
         assert r["keys"][0][:4] == ["lm loss", "accuracy", "entropy", "logprob"]
         assert all(kind == ("Tensor", (2,), "torch.float32") for key, kind in r["kinds"].items() if key != "lm loss")
+
+
+def _moe_without_a_model() -> list:
+    import warnings
+
+    from kit.megatron_moe import MoESpec, build_moe_model, moe_config
+
+    spec = GPTSpec(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=64, max_sequence_length=8)
+    with cpu_cuda_shim(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chunks = build_moe_model(spec, moe_config(spec, MoESpec(num_experts=4, topk=2), add_bias_linear=False))
+        metrics = instrument(vocab_size=TRUE_VOCAB)
+        step = metrics.wrap(gpt_forward_step)
+        for _ in range(2):  # the warning comes once, at the first call with the chunk
+            run_forward_backward(chunks, _batch(), micro_batch_size=2, forward_only=True, forward_step_func=step)
+        assert metrics.moe is None and "moe/" not in " ".join(metrics.calculate())
+    return [str(w.message) for w in caught if "MoE routing" in str(w.message)]
+
+
+def test_without_a_model_moe_routing_health_is_left_out_with_one_warning():
+    (messages,) = run_distributed(_moe_without_a_model, layout=Layout(), timeout=TIMEOUT)
+    assert len(messages) == 1 and "pass the model chunks" in messages[0]

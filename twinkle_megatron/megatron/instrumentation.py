@@ -250,8 +250,8 @@ class MegatronInstrumentation:
                 if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
                     outputs["token_losses"] = output_tensor.detach().reshape(labels.shape)
             if self.reports is not None:
-                groups = None if group_ids is None else \
-                    token_groups(group_ids, labels, len(self.reports.group_names))
+                names = self.reports.group_names
+                groups = token_groups(group_ids, labels, len(names)) if names and group_ids is not None else None
                 entries = self.reports.of(labels, loss_mask, captured["stats"], groups, outputs.get("token_losses"))
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
