@@ -215,3 +215,39 @@ def _moe_without_a_model() -> list:
 def test_without_a_model_moe_routing_health_is_left_out_with_one_warning():
     (messages,) = run_distributed(_moe_without_a_model, layout=Layout(), timeout=TIMEOUT)
     assert len(messages) == 1 and "pass the model chunks" in messages[0]
+
+
+def megatron_lm_style_step(data_iterator, model):
+    """Megatron-LM's ``get_batch_on_this_tp_rank``: TP rank 0 takes the batch from the iterator and broadcasts
+    fixed keys (no ``dataset_id``) to the other TP ranks, which never read their iterator."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    batch = next(data_iterator) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+    shared = [None if batch is None else {key: batch[key] for key in ("tokens", "labels", "loss_mask",
+                                                                        "position_ids")}]
+    dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+    return gpt_forward_step(iter(shared), model)
+
+
+def _tp_rank0_batches() -> dict:
+    with cpu_cuda_shim():
+        chunks = build_gpt_model(SPEC)
+        metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS)
+        reports = run_forward_backward(chunks, _batch(), micro_batch_size=2, forward_only=True,
+                                       forward_step_func=metrics.wrap(megatron_lm_style_step))
+        return {"pooled": pool_loss_reports(reports), "calculated": metrics.calculate()}
+
+
+def test_per_dataset_reports_under_tp_when_only_tp_rank_0_reads_the_batch():
+    """The last rank writes Megatron-LM's log; its TP rank never saw a dataset_id: rank 0's ids reach it."""
+    want = reference()
+    per_rank = run_distributed(_tp_rank0_batches, layout=Layout(tp=2, pp=2), timeout=TIMEOUT)
+    pooled = [r["pooled"] for r in per_rank if r["pooled"] is not None]
+    assert len(pooled) == 2 and pooled[0] == pooled[1]
+    for key in [f"{k}/{g}" for k in ("accuracy", "logprob", "entropy") for g in GROUPS]:
+        assert pooled[1][key] == pytest.approx(want[key], rel=1e-5), key
+        assert per_rank[0]["calculated"][key] == pytest.approx(want[key], rel=1e-5), key
+    for group in GROUPS:
+        assert pooled[1][f"lm loss/{group}"] == pytest.approx(want[f"loss/{group}"], rel=1e-5), group

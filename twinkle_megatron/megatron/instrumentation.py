@@ -44,7 +44,6 @@ import torch
 from .. import keys
 from ..metric import Metric, MetricCollection
 from ..metric.base import Number
-from ..metric.groups import token_groups
 from ..metric.logits_pass import logits_token_stats
 from ..parallel import ParallelContext
 from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
@@ -242,17 +241,18 @@ class MegatronInstrumentation:
             if loss_mask is not None:
                 inputs["completion_mask"] = loss_mask = loss_mask.reshape(labels.shape)
             outputs["token_stats"] = captured["stats"]
+            # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the report's
+            # [sum, count] is one number for the whole microbatch, whatever its samples' groups); the global loss
+            # stays the report's.
+            token_losses = output_tensor.detach().reshape(labels.shape) if isinstance(output_tensor, torch.Tensor) \
+                and output_tensor.numel() == labels.numel() else None
             if group_ids is not None:
                 inputs[self.group_key] = group_ids
-                # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the
-                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups);
-                # the global loss stays the report's.
-                if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
-                    outputs["token_losses"] = output_tensor.detach().reshape(labels.shape)
+                if token_losses is not None:
+                    outputs["token_losses"] = token_losses
             if self.reports is not None:
-                names = self.reports.group_names
-                groups = token_groups(group_ids, labels, len(names)) if names and group_ids is not None else None
-                entries = self.reports.of(labels, loss_mask, captured["stats"], groups, outputs.get("token_losses"))
+                groups = self.reports.groups(group_ids, labels, self.context)
+                entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
         return entries

@@ -33,11 +33,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from ..metric.groups import TokenGroups
+from ..metric.groups import TokenGroups, token_groups
 from ..metric.inputs import token_mask
 from ..metric.logits_pass import classify_tokens
 from ..ops import TokenStats
+from ..parallel import ParallelContext
 
 ACCURACY, LOGPROB, ENTROPY = "accuracy", "logprob", "entropy"  # the metrics' own result names
 
@@ -55,6 +57,32 @@ class TokenReports:
     def empty(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Every key as ``[0, 0]``: a microbatch without statistics (no labels seen, a failed hook)."""
         return {key: torch.zeros(2, dtype=torch.float32, device=device) for key in self.keys}
+
+    def groups(self, group_ids: Any, labels: torch.Tensor, context: ParallelContext) -> Optional[TokenGroups]:
+        """The group of each token of the microbatch as tensor-parallel rank 0 read it, on every TP rank.
+
+        Megatron-LM's ``get_batch`` takes the batch from the data iterator on TP
+        rank 0 only and broadcasts fixed keys (no ``dataset_id``), while the log is
+        written by the last rank: under TP the ids (shaped like the tokens, -1
+        where rank 0 had none) are broadcast from TP rank 0, one TP collective per
+        microbatch, only with group names. Bad ids raise after the broadcast, so
+        that no rank is left waiting in it.
+        """
+        if not self.group_names:
+            return None
+        count = len(self.group_names)
+        if context.tp_size == 1:
+            return None if group_ids is None else token_groups(group_ids, labels, count)
+        ids, error = torch.full(labels.shape, -1, dtype=torch.int64, device=labels.device), None
+        try:
+            own = None if group_ids is None else token_groups(group_ids, labels, count)
+            ids = ids if own is None else torch.where(own.valid, own.ids, -1)
+        except ValueError as bad:
+            error = bad
+        dist.broadcast(ids, src=dist.get_global_rank(context.tp_group, 0), group=context.tp_group)
+        if error is not None:
+            raise error
+        return token_groups(ids, labels, count)
 
     def of(self, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], stats: TokenStats,
            groups: Optional[TokenGroups] = None, token_losses: Optional[torch.Tensor] = None
