@@ -2,7 +2,7 @@
 
 A Megatron ``loss_func`` returns ``(loss, num_tokens, {'lm loss': [sum, count]})``.
 Megatron-LM's ``train_step`` (``megatron/training/training.py``, read at tags
-``core_v0.16.1`` and ``core_v0.19.0``) and Megatron-Bridge 0.6.2's
+``core_v0.13.0``, ``core_v0.16.1``, ``core_v0.19.0`` and on ``main``) and Megatron-Bridge 0.6.2's
 (``megatron/bridge/training/train.py``) pool every key of those dicts alike:
 for the keys of the first microbatch's dict, the ``[sum, count]`` tensors
 (2 elements) of all microbatches are summed, all-reduced over the DP×CP group
