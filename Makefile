@@ -21,7 +21,7 @@ MCORE_STAMP := $(MCORE_DIR)/.installed
 TEST_ENV := PYTHONPATH=$(abspath $(MCORE_DIR))
 endif
 
-.PHONY: setup test test-backends test-slurm test-twinkle demo demo-moe lint bench clean triton kernel-test gpu-check
+.PHONY: setup test test-backends test-slurm test-twinkle test-bridge demo demo-moe lint bench clean triton kernel-test gpu-check
 
 setup: $(STAMP)
 
@@ -77,6 +77,21 @@ $(TWINKLE_STAMP): setup.py tests/twinkle-constraints.txt
 test-twinkle: $(TWINKLE_STAMP)
 	$(TWINKLE_PY) -m pytest tests/test_twinkle_integration.py tests/test_twinkle_docs.py tests/test_user_metrics.py
 
+# Megatron-Bridge 0.6.2's own training code as the caller (its gpt_step, state injection and train_step, tests/bridge):
+# the tests download its wheel into .cache/ (pip download --no-deps) and import it behind the smallest stubs. Bridge
+# needs megatron-core >= 0.18: 0.19.2 is installed without dependencies into a folder of its own, put first on
+# PYTHONPATH (its metadata asks for Python >= 3.12, its code runs on 3.11), with Triton, which it imports.
+BRIDGE_MCORE ?= 0.19.2
+BRIDGE_MCORE_DIR := .mcore/bridge-$(BRIDGE_MCORE)
+
+test-bridge: triton $(BRIDGE_MCORE_DIR)/.installed
+	TWINKLE_BRIDGE_TEST=1 PYTHONPATH=$(abspath $(BRIDGE_MCORE_DIR)) $(PY) -m pytest tests/bridge
+
+$(BRIDGE_MCORE_DIR)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(BRIDGE_MCORE_DIR) \
+		megatron-core==$(BRIDGE_MCORE)
+	touch $@
+
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --run-name demo --log-dir runs
 	$(PY) -m twinkle_megatron.cli plot runs/demo/metrics.jsonl -o runs/demo/plots
@@ -106,4 +121,4 @@ gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) $(TWINKLE_VENV) .mcore build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TWINKLE_VENV) .mcore .cache build *.egg-info .pytest_cache .ruff_cache

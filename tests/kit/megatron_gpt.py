@@ -86,6 +86,8 @@ __all__ = [
     "make_config",
     "reference_forward",
     "run_forward_backward",
+    "pool_loss_reports",
+    "reference_metrics",
     "sum_loss_reports",
     "tp_shard",
 ]
@@ -520,3 +522,47 @@ def reference_forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor])
     """Full-vocabulary logits ``[b, s, vocab]`` of a single-process (TP1, PP1) model on the whole batch."""
     return model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                  attention_mask=batch.get("attention_mask"))
+
+
+def pool_loss_reports(reports: Sequence[Mapping[str, torch.Tensor]], group=None) -> Optional[dict[str, float]]:
+    """Every key of the reports pooled the way Megatron-LM's ``train_step`` pools them (``training.py``, read at
+    ``core_v0.16.1`` and ``core_v0.19.0``): the keys of the first microbatch's dict; ``[sum, count]`` entries summed
+    over microbatches, all-reduced over DP×CP, ``sum / count``; one-element entries averaged over microbatches.
+    Call it on every rank: last-stage ranks get the dict, the others None (like ``sum_loss_reports``)."""
+    group = group or parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    pooled = {}
+    for key in reports[0]:
+        values = [report[key].reshape(-1) for report in reports]
+        if values[0].numel() == 2:
+            total = torch.vstack(values).sum(dim=0)
+            dist.all_reduce(total, group=group)
+            pooled[key] = float(total[0] / total[1])
+        else:
+            pooled[key] = float(torch.cat(values).mean())
+    return pooled
+
+
+def reference_metrics(spec: GPTSpec, batch: Mapping[str, torch.Tensor], vocab_size: int,
+                      group_names: Sequence[str] = (), group_key: str = "dataset_id") -> dict[str, float]:
+    """World 1 (call inside a one-rank worker and the shim), float64, full vocabulary: ``accuracy``,
+    ``correct_tokens``, ``total_tokens``, ``logprob``, ``entropy`` over the tokens of the loss mask, and ``loss``
+    (Megatron's per-token cross-entropy over the padded vocabulary); with ``group_names`` each of them again as
+    ``key/<name>`` over the samples whose ``batch[group_key]`` is the group's index."""
+    from kit.references import accuracy_reference, token_stats_reference
+
+    (model,) = build_gpt_model(spec)
+    logits = reference_forward(model, batch).detach().double()
+    labels = batch["labels"]
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, spec.vocab_size), labels.reshape(-1),
+                                               reduction="none").reshape(labels.shape)
+    rows = {None: torch.ones(labels.shape[0], dtype=torch.bool)}
+    rows.update({name: batch[group_key] == index for index, name in enumerate(group_names)})
+    results = {}
+    for name, selected in rows.items():
+        mask = batch["loss_mask"].bool() & selected[:, None]
+        values = {**accuracy_reference(logits, labels, mask, vocab_size),
+                  **token_stats_reference(logits, labels, mask, vocab_size), "loss": float(losses[mask].mean())}
+        results.update({key if name is None else f"{key}/{name}": value for key, value in values.items()})
+    return results

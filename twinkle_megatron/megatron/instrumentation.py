@@ -17,10 +17,18 @@ there. So, per microbatch, on the last pipeline stage:
    tensor argument of the ``loss_func`` partial shaped like the labels) join the
    statistics, and everything is accumulated into the metrics on the device.
 
+``wrap()`` finds the step's data iterator and model by parameter name
+(:mod:`.forward_step`), so Megatron-Bridge's ``forward_step(state, data_iterator,
+model)`` works as Megatron-LM's does. Without a model (Megatron-LM's and
+Megatron-Bridge's ``pretrain()`` build it), the hooks attach to each model chunk
+the wrapped step receives, on its first call with that chunk. With
+``loss_reports`` (the default without a model), the wrapped ``loss_func`` also
+adds the statistics to its loss report as ``[sum, count]`` entries
+(:mod:`.token_reports`), which Megatron's ``train_step`` pools over DP×CP and
+``training_log`` writes to TensorBoard and W&B.
+
 ``calculate()`` after the schedule is collective: every rank calls it and gets
-the step's results. A failure inside a hook does not escape mid-schedule (that
-would leave the other pipeline stages waiting in a p2p call forever): it is
-recorded, and ``calculate()`` raises it on every rank.
+the step's results; hook failures are data (:mod:`.hook_failures`).
 """
 
 from __future__ import annotations
@@ -28,99 +36,90 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import traceback
-from typing import Any, Callable, Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .. import keys
-from ..metric import Accuracy, LogitsMetric, LossMetric, Metric, MetricCollection, TokenStatsMetric
-from ..metric.base import Number, StateValues
+from ..metric import Metric, MetricCollection
+from ..metric.base import Number
 from ..metric.logits_pass import logits_token_stats
 from ..parallel import ParallelContext
+from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
+from .hook_failures import HookFailures, MetricHookError
 from .loss_reports import loss_func_result
-from .moe_routing import attach_moe_routing
-
-
-class MetricHookError(RuntimeError):
-    """A metric hook failed during the step on some rank; raised by ``calculate()`` on every rank."""
-
-
-class HookFailures(Metric):
-    """Counts hook failures on every rank, so that every rank learns of them in the one sync.
-
-    Reports them as data, ``train/metric_hook_failures`` (when > 0), on every
-    rank; :meth:`MegatronInstrumentation.calculate` raises :class:`MetricHookError`
-    for them, a :class:`~twinkle_megatron.MetricsTracker` logs them as an alarm.
-    ``first_failure`` keeps this rank's first message of the interval.
-    """
-
-    every_rank_counts = True  # a failure on any rank counts, whatever its stage
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_state("failures", "sum")
-        self.messages: list[str] = []
-        self.first_failure: Optional[str] = None
-
-    def record(self, where: str, error: BaseException) -> None:
-        self.messages.append(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
-        self._add("failures", 1.0)
-
-    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        pass
-
-    def compute(self, states: StateValues) -> dict[str, Number]:
-        self.first_failure = self.messages[0] if self.messages else None
-        self.messages = []
-        return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}
-
-
-def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100,
-                    group_names: Optional[Sequence[str]] = None) -> list[Metric]:
-    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss (per group too)."""
-    groups = {"group_names": group_names} if group_names else {}
-    return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
-            TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
-            LossMetric(**groups)]
+from .metric_choice import default_metrics, shared_vocab_size
+from .moe_routing import attach_moe_routing, find_routers
+from .token_reports import TokenReports, report_device, with_entries
 
 
 class MegatronInstrumentation:
     """Metrics attached to a Megatron model; see :func:`instrument`."""
 
-    def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None,
                  metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-                 moe_routing: bool = True, moe_per_layer: bool = False) -> None:
+                 moe_routing: bool = True, moe_per_layer: bool = False,
+                 loss_reports: Optional[bool] = None) -> None:
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names)
         self._failures = HookFailures()
         self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
         user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
         # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
         self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
-            if moe_routing else None
+            if moe_routing and chunks else None
+        self._moe_wanted = moe_routing and model is None
         moe_metrics = [self.moe.metric] if self.moe is not None else []
         self.metrics = MetricCollection([*user_metrics, *moe_metrics, self._failures])
-        self.vocab_size = _shared_vocab_size(vocab_size, user_metrics)
+        self.vocab_size = shared_vocab_size(vocab_size, user_metrics)
         self.ignore_index = ignore_index
         self.loss_key = loss_key
         self.group_key = group_key
-        self._grouped = any(getattr(m, "group_names", ()) for m in user_metrics)
+        names = group_names or next((m.group_names for m in user_metrics if getattr(m, "group_names", ())), ())
+        self._grouped = bool(names)
+        # Without a model, Megatron's own loop (pretrain()) is the one that logs: the statistics ride in its reports.
+        self.reports = TokenReports(ignore_index, names, loss_key) \
+            if (model is None if loss_reports is None else loss_reports) else None
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
         self._group_ids: Any = None  # the current microbatch's group ids (read from its batch, or recorded)
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
+        self._lazy = model is None  # hooks attach to the chunks the wrapped forward_step receives
+        self._chunks_seen: dict[int, torch.nn.Module] = {}
+        self._hooked: set[int] = set()
+        self._failure_warned = False
+        self._attach(chunks)
+
+    def _attach(self, chunks: Sequence[torch.nn.Module]) -> None:
+        """Hooks on the language models of ``chunks`` not hooked yet (a chunk may come wrapped or unwrapped)."""
         for gpt in _language_models(chunks):
+            if id(gpt) in self._hooked:
+                continue
+            self._hooked.add(id(gpt))
             # The signature is read once here, not per microbatch.
             before = functools.partial(self._before_model, inspect.signature(gpt.forward))
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(gpt.output_layer.register_forward_hook(
                 functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
+
+    def _attach_lazily(self, model: Any) -> None:
+        """On a chunk's first microbatch: its hooks (virtual pipeline stages arrive one chunk per call)."""
+        chunks = [m for m in (model if isinstance(model, (list, tuple)) else [model]) if isinstance(m, torch.nn.Module)]
+        new = [chunk for chunk in chunks if id(chunk) not in self._chunks_seen]
+        if not new:
+            return
+        self._chunks_seen.update((id(chunk), chunk) for chunk in new)
+        self._attach(new)
+        if self._moe_wanted and find_routers(new):
+            self._moe_wanted = False  # its metric must exist before anything reads the collection
+            warnings.warn("instrument() without a model leaves MoE routing health out: pass the model chunks "
+                          "for the moe/ keys", RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ hooks
 
@@ -153,23 +152,40 @@ class MegatronInstrumentation:
     # ----------------------------------------------------------- forward_step
 
     def wrap(self, forward_step_func: Callable) -> Callable:
-        """The user's ``forward_step`` with its ``loss_func`` wrapped; the signature is kept.
+        """The user's ``forward_step`` with its ``loss_func`` wrapped; the signature is kept (Megatron-Bridge
+        reads it to inject its state).
 
-        With grouped metrics (``group_names``), the data iterator handed to
-        ``forward_step`` is read through: the batch's ``group_key`` entry (a
-        ``dataset_id`` per sample, as megatron-core's ``BlendedDataset`` gives)
-        becomes the microbatch's group ids, unless ``forward_step`` passes them
-        with :meth:`record_group_ids`.
+        The data iterator and the model are the arguments named ``data_iterator``
+        and ``model`` (after what a ``functools.partial`` binds), wherever they
+        stand; ``TypeError`` here when one that is needed has no such parameter.
+        With ``group_names`` the iterator is read through: each batch's
+        ``group_key`` entry (megatron-core's ``BlendedDataset`` gives a
+        ``dataset_id`` per sample) becomes the microbatch's group ids, unless
+        ``forward_step`` passes them with :meth:`record_group_ids`. Without a model,
+        the hooks attach to each chunk the step receives, on its first call with it.
         """
+        step = StepSignature.of(forward_step_func)
+        if self._grouped:
+            step.require(DATA_ITERATOR, forward_step_func, f"to read each batch's {self.group_key!r} (group_names)")
+        if self._lazy:
+            step.require(MODEL, forward_step_func, "to attach the hooks to it (instrument() was given no model)")
+        reads_arguments = self._grouped or self._lazy
 
         @functools.wraps(forward_step_func)
-        def forward_step(data_iterator: Any, *args: Any, **kwargs: Any):
+        def forward_step(*args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
             self._captured, self._group_ids = None, None
-            if self._grouped and data_iterator is not None:
-                data_iterator = _GroupIdsReader(data_iterator, self)
-            output_tensor, loss_func = forward_step_func(data_iterator, *args, **kwargs)
+            if reads_arguments:
+                arguments = step.bind(args, kwargs)
+                if self._lazy:
+                    self._attach_lazily(arguments.arguments.get(MODEL))
+                iterator = arguments.arguments.get(DATA_ITERATOR)
+                if self._grouped and iterator is not None:
+                    arguments.arguments[DATA_ITERATOR] = BatchReader(iterator, self._read_group_ids)
+                output_tensor, loss_func = step.call(arguments)
+            else:
+                output_tensor, loss_func = forward_step_func(*args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
             return output_tensor, self._wrap_loss_func(loss_func, self._group_ids)
@@ -181,6 +197,10 @@ class MegatronInstrumentation:
         ``forward_step`` whose batches do not carry them under ``group_key``; call it in ``forward_step``."""
         self._group_ids = group_ids
 
+    def _read_group_ids(self, batch: Any) -> None:
+        if isinstance(batch, Mapping) and batch.get(self.group_key) is not None:
+            self.record_group_ids(batch[self.group_key])
+
     def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None) -> Callable:
         @functools.wraps(loss_func)
         def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
@@ -188,35 +208,54 @@ class MegatronInstrumentation:
             captured, self._captured = self._captured, None
             if kwargs.get("non_loss_data"):
                 return result
+            entries = None
             try:
-                loss_mask = _loss_mask_of(loss_func, captured)
-                self._accumulate(captured, loss_mask, result, output_tensor, group_ids)
+                loss_mask = None if captured is None else \
+                    loss_mask_of(loss_func, captured["labels"], given=captured.get("loss_mask"))
+                entries = self._accumulate(captured, loss_mask, result, output_tensor, group_ids)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
-            return result
+            if self.reports is None:
+                return result
+            self._warn_failures()  # Megatron's own loop may never call calculate(), which raises them
+            return with_entries(result, entries if entries is not None else self.reports.empty(report_device(result)))
 
         return wrapped
 
+    def _warn_failures(self) -> None:
+        if self._failures.messages and not self._failure_warned:
+            self._failure_warned = True
+            warnings.warn(f"twinkle-megatron: a metric hook failed; this microbatch's statistics are left out of the "
+                          f"loss reports: {self._failures.messages[0]}", RuntimeWarning, stacklevel=3)
+
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
-                    output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None) -> None:
+                    output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None) -> Optional[dict]:
+        """Feed the metrics; returns the report entries (with ``loss_reports``) when statistics were captured."""
         loss, num_tokens = loss_func_result(result, self.loss_key)
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens}
+        entries = None
         if captured is not None:
             labels = captured["labels"]
             inputs["labels"] = labels
             if loss_mask is not None:
-                inputs["completion_mask"] = loss_mask.reshape(labels.shape)
+                inputs["completion_mask"] = loss_mask = loss_mask.reshape(labels.shape)
             outputs["token_stats"] = captured["stats"]
+            # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the report's
+            # [sum, count] is one number for the whole microbatch, whatever its samples' groups); the global loss
+            # stays the report's.
+            token_losses = output_tensor.detach().reshape(labels.shape) if isinstance(output_tensor, torch.Tensor) \
+                and output_tensor.numel() == labels.numel() else None
             if group_ids is not None:
                 inputs[self.group_key] = group_ids
-                # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the
-                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups);
-                # the global loss stays the report's.
-                if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
-                    outputs["token_losses"] = output_tensor.detach().reshape(labels.shape)
+                if token_losses is not None:
+                    outputs["token_losses"] = token_losses
+            if self.reports is not None:
+                groups = self.reports.groups(group_ids, labels, self.context)
+                entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
+        return entries
 
     # --------------------------------------------------------- explicit calls
 
@@ -279,6 +318,8 @@ class MegatronInstrumentation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
+        self._chunks_seen.clear()
         if self.moe is not None:
             self.moe.detach()
         self._captured = None
@@ -290,17 +331,19 @@ class MegatronInstrumentation:
         self.detach()
 
 
-def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None,
                metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-               moe_routing: bool = True, moe_per_layer: bool = False) -> MegatronInstrumentation:
+               moe_routing: bool = True, moe_per_layer: bool = False,
+               loss_reports: Optional[bool] = None) -> MegatronInstrumentation:
     """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
 
-    ``model`` is a model or the list of model chunks (virtual pipeline stages)
-    given to the schedule, wrapped or not in Megatron's DDP / Float16Module.
-    Then pass ``instrumentation.wrap(forward_step)`` to the schedule and call
-    ``instrumentation.calculate()`` on every rank after it::
+    ``model``: a model or the list of model chunks (virtual pipeline stages) given
+    to the schedule, wrapped or not in Megatron's DDP / Float16Module; None (for
+    ``pretrain()``, which builds the model): the hooks attach to the chunks the
+    wrapped ``forward_step`` receives. Pass ``instrumentation.wrap(forward_step)``
+    as the ``forward_step_func``, and call ``calculate()`` on every rank after a step::
 
         with instrument(model, vocab_size=tokenizer.vocab_size) as metrics:
             losses = forward_backward_func(forward_step_func=metrics.wrap(forward_step), ...)
@@ -310,38 +353,28 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     called with ``labels=`` (the hook reads them); the loss mask is read from the
     ``loss_func`` partial (or from ``loss_mask=`` given to the model).
 
+    ``loss_reports`` (default: on exactly when ``model`` is None, i.e. when
+    Megatron's own loop logs): add ``accuracy``, ``entropy``, ``logprob`` (and
+    the per-group keys) to each loss report as ``[sum, count]`` entries, which
+    Megatron's ``train_step`` pools and ``training_log`` writes
+    (:mod:`.token_reports`); ``calculate()`` stays available either way.
+
     ``group_names`` (with the default metrics; metrics passed in carry their own):
     every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
     group of each sample read from its batch's ``group_key`` (``dataset_id``,
     as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
     with :meth:`MegatronInstrumentation.record_group_ids`.
 
-    A model with megatron-core MoE layers also reports routing health (``moe/...``
-    keys, see :mod:`.moe_routing`) in the same sync; ``moe_routing=False`` leaves
-    the routers alone, ``moe_per_layer=True`` adds the per-layer keys.
+    Megatron-core MoE layers also report routing health (``moe/...``, see
+    :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
+    routers alone, ``moe_per_layer=True`` adds the per-layer keys.
     """
     return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
                                    loss_key=loss_key, group_names=group_names, group_key=group_key,
-                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer)
+                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer, loss_reports=loss_reports)
 
 
 # ------------------------------------------------------------------ helpers
-
-
-class _GroupIdsReader:
-    """The schedule's data iterator, read through: each batch's group ids go to the instrumentation."""
-
-    def __init__(self, iterator: Any, instrumentation: MegatronInstrumentation) -> None:
-        self.iterator, self.instrumentation = iterator, instrumentation
-
-    def __iter__(self) -> _GroupIdsReader:
-        return self
-
-    def __next__(self) -> Any:
-        batch = next(self.iterator)
-        if isinstance(batch, dict) and batch.get(self.instrumentation.group_key) is not None:
-            self.instrumentation.record_group_ids(batch[self.instrumentation.group_key])
-        return batch
 
 
 def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -355,22 +388,6 @@ def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]
     return found
 
 
-def _shared_vocab_size(vocab_size: Optional[int], metrics: Sequence[Metric]) -> Optional[int]:
-    """The true vocabulary size the hook computes statistics for: one value for all metrics.
-
-    The hook computes the statistics once for every metric, so metrics asking
-    for different vocabulary sizes cannot all be served: that is an error, not
-    a silent choice.
-    """
-    sizes = {m.vocab_size for m in metrics if isinstance(m, LogitsMetric) and m.vocab_size is not None}
-    if vocab_size is not None:
-        sizes.add(vocab_size)
-    if len(sizes) > 1:
-        raise ValueError(f"instrument(): the metrics and vocab_size ask for different vocabulary sizes "
-                         f"{sorted(sizes)}; the statistics are computed once for all of them")
-    return sizes.pop() if sizes else None
-
-
 def _mtp_heads(gpt: torch.nn.Module) -> int:
     config = getattr(gpt, "config", None)
     return int(getattr(config, "mtp_num_layers", None) or 0)
@@ -379,20 +396,3 @@ def _mtp_heads(gpt: torch.nn.Module) -> int:
 def _no_tp(context: Any) -> Any:
     """The context with the whole vocabulary local (the output layer gathered its output)."""
     return dataclasses.replace(context, tp_group=None, tp_size=1)
-
-
-def _loss_mask_of(loss_func: Callable, captured: Optional[dict]) -> Optional[torch.Tensor]:
-    """The loss mask: given to the model, or a tensor bound in the ``loss_func`` partial."""
-    if captured is None:
-        return None
-    if captured.get("loss_mask") is not None:
-        return captured["loss_mask"]
-    labels = captured["labels"]
-    bound = []
-    while isinstance(loss_func, functools.partial):
-        bound += [loss_func.keywords.get("loss_mask"), *loss_func.args, *loss_func.keywords.values()]
-        loss_func = loss_func.func
-    for value in bound:
-        if isinstance(value, torch.Tensor) and value.numel() == labels.numel() and value.numel() > 1:
-            return value
-    return None

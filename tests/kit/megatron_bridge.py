@@ -1,0 +1,199 @@
+"""Megatron-Bridge's own training code, downloaded at test time and imported unmodified behind the smallest stubs.
+
+``load_bridge()`` brings ``megatron-bridge==0.6.2`` from the package index
+(``pip download --no-deps`` into ``.cache/megatron-bridge/``, outside git; its
+metadata asks for Python ≥ 3.12, its code runs on 3.11), unpacks the wheel and
+imports, unmodified:
+
+* ``megatron.bridge.training.gpt_step``: ``forward_step(state, data_iterator, model)``,
+  its batch fetching (``get_batch``), context-parallel split and loss function;
+* ``megatron.bridge.training.losses``: ``masked_next_token_loss``;
+* ``megatron.bridge.training.utils.train_utils``: ``prepare_forward_step_func``
+  (the state injection);
+* ``megatron.bridge.training.train``: ``train_step``, which pools the loss reports.
+
+Bridge needs megatron-core ≥ 0.18 (``make test-bridge`` puts 0.19.2 first on the
+path). What is stubbed is what these modules import and the tests never compute:
+
+* the packages ``megatron.bridge`` and ``megatron.bridge.data`` are entered without
+  running their ``__init__`` (it registers every Hugging Face model bridge and dataset
+  builder: transformers, datasets...);
+* ``megatron.bridge.training.state`` / ``.config``: :class:`GlobalState` and
+  :class:`ConfigContainer` below hold exactly the fields ``gpt_step`` and ``train_step``
+  read (Bridge's own build the whole run: tokenizer, checkpointing, loggers);
+* placeholders (:class:`_Placeholder`: any attribute is a class that refuses to be
+  built) for heavy optional dependencies and for what only logs, checkpoints or
+  initialises: NVIDIA ModelOpt (distillation), Megatron-LM's ``megatron.training``
+  (shipped in megatron-core's wheel, needs Python 3.12 and Megatron-LM's global
+  arguments), ``tqdm``, Bridge's PEFT adapters (flop counting's ``isinstance``), its
+  MLflow utilities, checkpointing and initialisation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import subprocess
+import sys
+import types
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+BRIDGE_VERSION = "0.6.2"
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "megatron-bridge" / BRIDGE_VERSION
+
+# Imported without their __init__ (see the module docstring).
+SHELL_PACKAGES = ("megatron.bridge", "megatron.bridge.data")
+# Placeholders: heavy optional dependencies, and what only logs, checkpoints or initialises.
+PLACEHOLDERS = ("modelopt", "megatron.training", "tqdm", "megatron.bridge.peft",
+                "megatron.bridge.training.utils.mlflow_utils", "megatron.bridge.training.checkpointing",
+                "megatron.bridge.training.initialize")
+
+
+class BridgeUnavailable(RuntimeError):
+    """The wheel could not be downloaded (the package index is unreachable)."""
+
+
+def bridge_path() -> Path:
+    """The unpacked wheel (downloaded on first use)."""
+    unpacked = CACHE / "site"
+    if (unpacked / "megatron" / "bridge" / "training" / "train.py").exists():
+        return unpacked
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(CACHE.glob(f"megatron_bridge-{BRIDGE_VERSION}-*.whl"))
+    if not wheels:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--ignore-requires-python", "-q",
+                   "-d", str(CACHE), f"megatron-bridge=={BRIDGE_VERSION}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        wheels = sorted(CACHE.glob(f"megatron_bridge-{BRIDGE_VERSION}-*.whl"))
+        if done.returncode or not wheels:
+            raise BridgeUnavailable(f"pip download megatron-bridge=={BRIDGE_VERSION} failed (package index "
+                                    f"unreachable?): {(done.stderr or done.stdout).strip()[-500:]}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extractall(unpacked)
+    return unpacked
+
+
+# ------------------------------------------------------------------ the stubs
+
+
+@dataclass
+class ModelSettings:
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_layout: Any = None
+    seq_length: int = 0
+
+
+@dataclass
+class ConfigContainer:
+    """Bridge's run configuration, reduced to the fields ``gpt_step`` and ``train_step`` read."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    micro_batch_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        ns = types.SimpleNamespace
+        self.dataset = ns(skip_getting_attention_mask_from_dataset=True, dataloader_type="single",
+                          enable_offline_packing=False, enable_in_batch_packing=False)
+        self.rerun_state_machine = ns(check_for_nan_in_loss=True, check_for_spiky_loss=False)
+        self.train = ns(micro_batch_size=self.micro_batch_size, empty_unused_memory_level=0,
+                        check_optimizer_step_success=False, skip_sync_grad_norm_across_mp=True)
+        self.optimizer = ns(barrier_with_L1_time=False, log_num_zeros_in_grad=False,
+                            reuse_grad_buf_for_mxfp8_param_ag=False)
+        self.ddp = ns(overlap_param_gather=False)
+        self.dist = ns(use_decentralized_pg=True)  # no ModelOpt distillation shapes
+
+
+class GlobalState:
+    """Bridge's run state, reduced to what ``gpt_step`` and ``train_step`` use: the config, megatron-core's
+    own timers and straggler detector (both idle: nothing is timed)."""
+
+    def __init__(self, cfg: ConfigContainer) -> None:
+        from megatron.core.timers import Timers
+        from megatron.core.utils import StragglerDetector
+
+        self.cfg = cfg
+        self.timers = Timers(log_level=0, log_option="minmax")
+        self.straggler_timer = StragglerDetector()
+        self.train_state = types.SimpleNamespace(step=0, consumed_train_samples=0)
+
+
+class TrainState:
+    """Placeholder of Bridge's TrainState (imported by train_utils, never built here)."""
+
+
+class _Placeholder(types.ModuleType):
+    """A module whose every attribute is one class that refuses to be built (isinstance checks still work)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(f"{self.__name__}.{name} is stubbed in the tests (kit/megatron_bridge.py)")
+
+        value = type(name, (), {"__init__": refuse, "__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves the placeholders and the shell packages; everything else imports as usual."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if any(name == stub or name.startswith(stub + ".") for stub in PLACEHOLDERS):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        if name in SHELL_PACKAGES:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None:
+                spec.loader = self
+            return spec
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        if spec.name in SHELL_PACKAGES:
+            module = types.ModuleType(spec.name)
+            module.__path__ = list(spec.submodule_search_locations)
+        else:
+            module = _Placeholder(spec.name)
+            module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _state_modules() -> None:
+    for name, classes in {"megatron.bridge.training.state": (GlobalState, TrainState),
+                          "megatron.bridge.training.config": (ConfigContainer,)}.items():
+        module = _Placeholder(name)
+        for cls in classes:
+            setattr(module, cls.__name__, cls)
+        sys.modules[name] = module
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """Megatron-Bridge's modules the tests call."""
+
+    gpt_step: types.ModuleType
+    losses: types.ModuleType
+    train_utils: types.ModuleType
+    train: types.ModuleType
+
+
+def load_bridge() -> Bridge:
+    """Download (once), stub and import Megatron-Bridge (``BridgeUnavailable`` when the index is unreachable)."""
+    path = bridge_path()
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+    if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _StubFinder())
+        _state_modules()
+    load = importlib.import_module
+    return Bridge(load("megatron.bridge.training.gpt_step"), load("megatron.bridge.training.losses"),
+                  load("megatron.bridge.training.utils.train_utils"), load("megatron.bridge.training.train"))

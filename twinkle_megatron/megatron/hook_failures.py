@@ -1,0 +1,49 @@
+"""Hook failures as data: counted on every rank, raised by ``calculate()`` on every rank.
+
+A failure inside a hook must not escape mid-schedule (the other pipeline stages
+would wait in a p2p call forever), so it is recorded here and joins the
+metrics' one sync.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Optional
+
+from .. import keys
+from ..metric import Metric
+from ..metric.base import Number, StateValues
+
+
+class MetricHookError(RuntimeError):
+    """A metric hook failed during the step on some rank; raised by ``calculate()`` on every rank."""
+
+
+class HookFailures(Metric):
+    """Counts hook failures on every rank, so that every rank learns of them in the one sync.
+
+    Reports them as data, ``train/metric_hook_failures`` (when > 0), on every
+    rank; :meth:`MegatronInstrumentation.calculate` raises :class:`MetricHookError`
+    for them, a :class:`~twinkle_megatron.MetricsTracker` logs them as an alarm.
+    ``first_failure`` keeps this rank's first message of the interval.
+    """
+
+    every_rank_counts = True  # a failure on any rank counts, whatever its stage
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("failures", "sum")
+        self.messages: list[str] = []
+        self.first_failure: Optional[str] = None
+
+    def record(self, where: str, error: BaseException) -> None:
+        self.messages.append(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+        self._add("failures", 1.0)
+
+    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+        pass
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
+        self.first_failure = self.messages[0] if self.messages else None
+        self.messages = []
+        return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}
