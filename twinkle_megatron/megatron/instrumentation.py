@@ -37,6 +37,7 @@ from .. import keys
 from ..metric import Accuracy, LogitsMetric, LossMetric, Metric, MetricCollection, TokenStatsMetric
 from ..metric.base import Number, StateValues
 from ..metric.logits_pass import logits_token_stats
+from ..metric.sample_losses import SampleLosses
 from ..parallel import ParallelContext
 from .loss_reports import loss_func_result
 from .moe_routing import attach_moe_routing
@@ -110,8 +111,9 @@ class MegatronInstrumentation:
         self.loss_key = loss_key
         self.group_key = group_key
         self._grouped = any(getattr(m, "group_names", ()) for m in user_metrics)
+        self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
-        self._group_ids: Any = None  # the current microbatch's group ids (read from its batch, or recorded)
+        self._group_ids, self._sample_index = None, None  # the microbatch's group ids, sample indices
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
@@ -166,13 +168,13 @@ class MegatronInstrumentation:
         def forward_step(data_iterator: Any, *args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
-            self._captured, self._group_ids = None, None
-            if self._grouped and data_iterator is not None:
+            self._captured, self._group_ids, self._sample_index = None, None, None
+            if (self._grouped or self._samples is not None) and data_iterator is not None:
                 data_iterator = _GroupIdsReader(data_iterator, self)
             output_tensor, loss_func = forward_step_func(data_iterator, *args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
-            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids)
+            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids, self._sample_index)
 
         return forward_step
 
@@ -181,7 +183,7 @@ class MegatronInstrumentation:
         ``forward_step`` whose batches do not carry them under ``group_key``; call it in ``forward_step``."""
         self._group_ids = group_ids
 
-    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None) -> Callable:
+    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None, sample_index: Any = None) -> Callable:
         @functools.wraps(loss_func)
         def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
             result = loss_func(output_tensor, *args, **kwargs)
@@ -190,7 +192,7 @@ class MegatronInstrumentation:
                 return result
             try:
                 loss_mask = _loss_mask_of(loss_func, captured)
-                self._accumulate(captured, loss_mask, result, output_tensor, group_ids)
+                self._accumulate(captured, loss_mask, result, output_tensor, group_ids, sample_index)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
             return result
@@ -198,7 +200,7 @@ class MegatronInstrumentation:
         return wrapped
 
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
-                    output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None) -> None:
+                    output_tensor: Any = None, group_ids: Any = None, sample_index: Any = None) -> None:
         loss, num_tokens = loss_func_result(result, self.loss_key)
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens}
@@ -210,9 +212,11 @@ class MegatronInstrumentation:
             outputs["token_stats"] = captured["stats"]
             if group_ids is not None:
                 inputs[self.group_key] = group_ids
-                # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the
-                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups);
-                # the global loss stays the report's.
+            if self._samples is not None:
+                inputs[self._samples.index_key] = sample_index
+            if group_ids is not None or self._samples is not None:
+                # Per group and per sample, the loss is pooled from GPTModel's per-token losses (the report's
+                # [sum, count] is one number per microbatch); the global loss stays the report's.
                 if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
                     outputs["token_losses"] = output_tensor.detach().reshape(labels.shape)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
@@ -338,9 +342,11 @@ class _GroupIdsReader:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self.iterator)
-        if isinstance(batch, dict) and batch.get(self.instrumentation.group_key) is not None:
-            self.instrumentation.record_group_ids(batch[self.instrumentation.group_key])
+        batch, owner = next(self.iterator), self.instrumentation
+        if isinstance(batch, dict) and batch.get(owner.group_key) is not None:
+            owner.record_group_ids(batch[owner.group_key])
+        if isinstance(batch, dict) and owner._samples is not None:  # SampleLosses: each sample's global index
+            owner._sample_index = batch.get(owner._samples.index_key)
         return batch
 
 
