@@ -182,11 +182,11 @@ def planted_sample(args: argparse.Namespace) -> Optional[int]:
 
 
 def health_checked(args: argparse.Namespace, index: int, sample: dict) -> dict:
-    """Sample ``index`` of the blend, made bad when it is the planted one (random labels: a loss spike), and left
-    out of the loss (a zero loss mask) when ``--skip-samples`` lists it."""
+    """Sample ``index`` of the blend, made bad when it is the planted one (every label moved half the vocabulary
+    away from the next count: confidently wrong, a loss spike), and left out of the loss (a zero loss mask) when
+    ``--skip-samples`` lists it."""
     if getattr(args, "plant_bad_sample", 0) and index == planted_sample(args):
-        generator = torch.Generator().manual_seed(args.seed + index)
-        sample = {**sample, "labels": torch.randint(0, args.vocab_size, sample["labels"].shape, generator=generator)}
+        sample = {**sample, "labels": (sample["labels"] + args.vocab_size // 2) % args.vocab_size}
     if index in getattr(args, "skipped_samples", ()):
         sample = {**sample, "loss_mask": torch.zeros_like(sample["loss_mask"])}
     return sample
@@ -476,8 +476,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
     parser.add_argument("--layer-norms", action="store_true", help="log per-layer gradient and parameter norms")
     parser.add_argument("--plant-bad-sample", type=int, default=0, metavar="STEP",
-                        help="give one sample of STEP random labels: a loss spike, named in RUN_DIR/incidents.jsonl "
-                             "(see it with --log-interval 1)")
+                        help="corrupt one sample of STEP's batch: a loss spike, named in RUN_DIR/incidents.jsonl "
+                             "(visible with a small batch and --log-interval 1, see docs/step-health.md)")
     parser.add_argument("--skip-samples", default=None, metavar="FILE",
                         help="leave these samples out of the loss: an incidents.jsonl (each incident's top sample) "
                              "or a text file of sample indices")

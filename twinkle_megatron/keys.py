@@ -162,9 +162,13 @@ MOE_LAYER_STATS: tuple[tuple[str, str], ...] = (
 GRAD_NORM_PREFIX = "grad_norm/"
 PARAM_NORM_PREFIX = "param_norm/"
 GRAD_NORM_TOTAL = "grad_norm/total"
-GRAD_NORM_LAYER_MAX = "grad_norm/layer_max"
-GRAD_NORM_LAYER_MAX_INDEX = "grad_norm/layer_max_index"
-GRAD_NORM_LAYER_MAX_OVER_MEDIAN = "grad_norm/layer_max_over_median"
+GRAD_NORM_LAYER_MAX = "grad_norm/max_layer_norm"
+GRAD_NORM_LAYER_MAX_INDEX = "grad_norm/max_layer"
+GRAD_NORM_LAYER_MAX_OVER_MEDIAN = "grad_norm/max_layer_over_median"
+# The per-part keys (for files and charts; the stdout line shows the compact view and the total only).
+LAYER_NORM_DETAIL_PREFIXES = (GRAD_NORM_PREFIX + "layer_", GRAD_NORM_PREFIX + "embedding",
+                              GRAD_NORM_PREFIX + "output_layer", GRAD_NORM_PREFIX + "final_norm",
+                              GRAD_NORM_PREFIX + "other", PARAM_NORM_PREFIX)
 
 
 def layer_grad_norm_key(part: str) -> str:

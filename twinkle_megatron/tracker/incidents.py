@@ -126,6 +126,23 @@ def format_incident(incident: Mapping[str, Any]) -> str:
     return text
 
 
+def describe_incident(incident: Mapping[str, Any]) -> str:
+    """Several lines: :func:`format_incident`, then every sample, the per-dataset losses and the layers."""
+    lines = [format_incident(incident)]
+    for sample in incident.get("samples") or []:
+        dataset = sample.get("dataset", sample.get("dataset_id"))
+        partial = "" if sample.get("complete", True) else "  (partial: some CP ranks' parts only)"
+        lines.append(f"  sample {sample.get('sample_index')}  dataset {dataset}  loss {sample['loss']:.4g}  "
+                     f"tokens {sample.get('tokens')}  step {sample['step']}{partial}")
+    losses = incident.get("dataset_losses") or {}
+    if losses:
+        lines.append("  dataset losses: " + ", ".join(f"{name} {value:.4g}" for name, value in losses.items()))
+    layers = incident.get("layers") or []
+    if layers:
+        lines.append("  largest grad norms: " + ", ".join(f"{part['part']} {part['grad_norm']:.4g}" for part in layers))
+    return "\n".join(lines)
+
+
 def load_incidents(path: str) -> list[dict[str, Any]]:
     """The incidents of a run: ``path`` is ``incidents.jsonl``, a run directory, or its ``metrics.jsonl``.
 

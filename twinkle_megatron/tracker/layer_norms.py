@@ -21,9 +21,9 @@ reported:
   (and ``param_norm/...``); ``grad_norm/other`` only when the model has other
   parameters (multi-token prediction...);
 * ``grad_norm/total``: √(Σ of every part's square), Megatron's gradient norm;
-* the compact view: ``grad_norm/layer_max`` (the largest layer norm; a
-  non-finite one wins), ``grad_norm/layer_max_index`` (its layer, the lowest on
-  ties), ``grad_norm/layer_max_over_median`` (it over the median layer norm).
+* the compact view: ``grad_norm/max_layer_norm`` (the largest layer norm; a
+  non-finite one wins), ``grad_norm/max_layer`` (its layer, the lowest on
+  ties), ``grad_norm/max_layer_over_median`` (it over the median layer norm).
 
 fp16 loss scaling: the squares are divided by the optimizer's loss scale squared.
 """
