@@ -321,7 +321,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     tracker = MetricsTracker(                                                            # <- plugin
         log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
         padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-        global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir)
+        global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir,
+        spike_threshold=args.spike_threshold)
     first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
     blend = blended_dataset(args, args.steps * global_batch_size)
 
@@ -478,6 +479,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plant-bad-sample", type=int, default=0, metavar="STEP",
                         help="corrupt one sample of STEP's batch: a loss spike, named in RUN_DIR/incidents.jsonl "
                              "(visible with a small batch and --log-interval 1, see docs/step-health.md)")
+    parser.add_argument("--spike-threshold", type=float, default=0.5,
+                        help="a loss spike (and an incident) is a loss above (1 + this) × its EMA")
     parser.add_argument("--skip-samples", default=None, metavar="FILE",
                         help="leave these samples out of the loss: an incidents.jsonl (each incident's top sample) "
                              "or a text file of sample indices")

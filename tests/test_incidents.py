@@ -134,3 +134,49 @@ def test_skip_list_from_a_text_file(tmp_path):
 def test_sample_losses_refuses_a_bad_top_k():
     with pytest.raises(ValueError, match="top_k"):
         SampleLosses(top_k=0)
+
+
+def _incident_run(tmp_path):
+    records = [{"step": step, "loss": 2.0 + (step == 3)} for step in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    incident = {"step": 3, "reasons": ["loss_spike"], "loss": 3.0, "loss_ema": 2.0,
+                "samples": [{"sample_index": 41, "dataset_id": 1, "dataset": "hard", "loss": 9.5, "tokens": 7,
+                             "step": 3, "complete": True},
+                            {"sample_index": 40, "dataset_id": 0, "dataset": "easy", "loss": 2.5, "tokens": 7,
+                             "step": 3, "complete": False}],
+                "dataset_losses": {"easy": 2.1, "hard": 3.9}, "layers": [{"part": "layer_01", "grad_norm": 4.0}]}
+    (tmp_path / "incidents.jsonl").write_text(json.dumps(incident) + "\n")
+
+
+def test_the_cli_prints_incidents_and_skip_lists(tmp_path, capsys):
+    from twinkle_megatron.cli import main
+
+    _incident_run(tmp_path)
+    assert main(["incidents", str(tmp_path / "metrics.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "[incident] step 3: loss_spike" in out and "top sample 41 (dataset hard, loss 9.5" in out
+    assert "sample 40  dataset easy" in out and "partial" in out
+    assert "dataset losses: easy 2.1, hard 3.9" in out and "largest grad norms: layer_01 4" in out
+    assert main(["incidents", str(tmp_path), "--skip-list", "2"]) == 0
+    assert capsys.readouterr().out.split() == ["40", "41"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["incidents", str(empty)]) == 0
+    assert "no incidents" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["incidents", str(tmp_path / "missing")])
+    assert exit_info.value.code == 2
+
+
+def test_the_loss_chart_marks_incidents(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from twinkle_megatron.plot_incidents import mark_incidents
+
+    _incident_run(tmp_path)
+    axes = Figure().add_subplot()
+    handle = mark_incidents(axes, str(tmp_path / "metrics.jsonl"))
+    assert handle is not None and list(handle.get_xdata()) == [3, 3]
+    assert [text.get_text() for text in axes.texts] == ["#41 (hard)"]
+    assert mark_incidents(Figure().add_subplot(), str(tmp_path / "empty" / "metrics.jsonl")) is None

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import inspect
 import traceback
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -170,7 +170,7 @@ class MegatronInstrumentation:
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
             self._captured, self._group_ids, self._sample_index = None, None, None
             if (self._grouped or self._samples is not None) and data_iterator is not None:
-                data_iterator = _GroupIdsReader(data_iterator, self)
+                data_iterator = _read_through(data_iterator, self)
             output_tensor, loss_func = forward_step_func(data_iterator, *args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
@@ -182,6 +182,13 @@ class MegatronInstrumentation:
         """The current microbatch's group ids (one per sample, per token, or one number), for a
         ``forward_step`` whose batches do not carry them under ``group_key``; call it in ``forward_step``."""
         self._group_ids = group_ids
+
+    def record_batch(self, batch: Any) -> None:
+        """Read the microbatch's group ids and (for :class:`SampleLosses`) sample indices from its batch."""
+        if isinstance(batch, dict) and batch.get(self.group_key) is not None:
+            self._group_ids = batch[self.group_key]
+        if isinstance(batch, dict) and self._samples is not None:
+            self._sample_index = batch.get(self._samples.index_key)
 
     def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None, sample_index: Any = None) -> Callable:
         @functools.wraps(loss_func)
@@ -332,22 +339,11 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
 # ------------------------------------------------------------------ helpers
 
 
-class _GroupIdsReader:
-    """The schedule's data iterator, read through: each batch's group ids go to the instrumentation."""
-
-    def __init__(self, iterator: Any, instrumentation: MegatronInstrumentation) -> None:
-        self.iterator, self.instrumentation = iterator, instrumentation
-
-    def __iter__(self) -> _GroupIdsReader:
-        return self
-
-    def __next__(self) -> Any:
-        batch, owner = next(self.iterator), self.instrumentation
-        if isinstance(batch, dict) and batch.get(owner.group_key) is not None:
-            owner.record_group_ids(batch[owner.group_key])
-        if isinstance(batch, dict) and owner._samples is not None:  # SampleLosses: each sample's global index
-            owner._sample_index = batch.get(owner._samples.index_key)
-        return batch
+def _read_through(iterator: Any, instrumentation: MegatronInstrumentation) -> Iterator[Any]:
+    """The schedule's data iterator, read through: each batch's ids go to the instrumentation."""
+    for batch in iterator:
+        instrumentation.record_batch(batch)
+        yield batch
 
 
 def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
