@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Optional
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from kit.cuda_shim import cpu_cuda_shim
 from kit.distributed import Layout, run_distributed
 from kit.guards import count_collectives, forbid_host_sync
 from kit.megatron_gpt import GPTSpec, canonical_names, make_batch
+from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 
 from twinkle_megatron import MetricsTracker, keys
@@ -31,6 +33,8 @@ from twinkle_megatron.megatron.layer_grads import LayerParameters
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 MICRO_BATCH = 2
 RTOL = 1e-5
+MOE_SPEC = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8,
+                   add_bias_linear=False)  # megatron-core 0.16's expert MLP cannot add a bias (kit.megatron_moe)
 
 
 def _batch():
@@ -50,10 +54,10 @@ def _part(canonical: str) -> str:
     return "other"
 
 
-def _reference_worker() -> dict[str, tuple[float, float]]:
+def _reference_worker(moe: Optional[MoESpec] = None) -> dict[str, tuple[float, float]]:
     """World 1: each part's (grad norm, param norm) in float64 from the model's reduced gradients."""
     with cpu_cuda_shim():
-        chunks, _ = build_trained_gpt(SPEC)
+        chunks, _ = build_trained_gpt(MOE_SPEC if moe else SPEC, moe=moe)
         train_forward_backward(chunks, _batch(), micro_batch_size=MICRO_BATCH)
         squares: dict[str, list[float]] = {}
         for chunk in chunks:
@@ -68,15 +72,18 @@ def _reference_worker() -> dict[str, tuple[float, float]]:
 _REFERENCE: dict = {}
 
 
-def reference() -> dict[str, tuple[float, float]]:
-    if not _REFERENCE:
-        _REFERENCE.update(run_distributed(_reference_worker, layout=Layout())[0])
-    return _REFERENCE
+def reference(moe: Optional[MoESpec] = None) -> dict[str, tuple[float, float]]:
+    if moe not in _REFERENCE:
+        _REFERENCE[moe] = run_distributed(_reference_worker, layout=Layout(), args=(moe,))[0]
+    return _REFERENCE[moe]
 
 
-def _layout_worker(distributed_optimizer: bool) -> dict:
+def _layout_worker(distributed_optimizer: bool, moe: Optional[MoESpec] = None, ep: int = 1) -> dict:
+    if ep > 1:
+        init_parallel(ep=ep)
     with cpu_cuda_shim():
-        chunks, optimizer = build_trained_gpt(SPEC, distributed_optimizer=distributed_optimizer)
+        chunks, optimizer = build_trained_gpt(MOE_SPEC if moe else SPEC, distributed_optimizer=distributed_optimizer,
+                                              moe=moe)
         tracker = MetricsTracker(log_interval=1, backends=())
         train_forward_backward(chunks, _batch(), micro_batch_size=MICRO_BATCH)
         with forbid_host_sync():
@@ -110,6 +117,33 @@ LAYOUTS = [
 def test_layer_norms_equal_the_reference_and_sum_to_megatrons_norm(layout, distributed_optimizer):
     expected = reference()
     results = run_distributed(_layout_worker, layout=layout, args=(distributed_optimizer,), timeout=120)
+    _check(expected, results)
+    first = results[0]["record"]
+    layers = [expected[f"layer_{i:02d}"][0] for i in range(SPEC.num_layers)]
+    largest = max(range(len(layers)), key=lambda i: layers[i])
+    assert first[keys.GRAD_NORM_LAYER_MAX_INDEX] == largest
+    assert first[keys.GRAD_NORM_LAYER_MAX] == pytest.approx(layers[largest], rel=RTOL)
+    median = sorted(layers)[1:3]
+    assert first[keys.GRAD_NORM_LAYER_MAX_OVER_MEDIAN] == pytest.approx(layers[largest] / (sum(median) / 2),
+                                                                        rel=RTOL)
+    assert "grad_norm/other" not in first
+
+
+# MoE without router losses: the aux and z losses are computed per DP rank's tokens, so their gradients
+# (and no others) depend on the layout; the experts' and router's gradients from the LM loss do not.
+MOE = MoESpec(num_experts=4, topk=2, aux_loss_coeff=0.0, z_loss_coeff=None)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["ddp", "distopt"])
+def test_expert_parameters_are_summed_over_expert_parallel_ranks(distributed_optimizer):
+    """EP2 over 4 ranks (DP4, expert-DP2): each expert counts once, on the EP rank that holds it."""
+    expected = reference(MOE)
+    results = run_distributed(_layout_worker, layout=Layout(dp=4), args=(distributed_optimizer, MOE, 2),
+                              timeout=180)
+    _check(expected, results)
+
+
+def _check(expected: dict, results: list) -> None:
     first = results[0]["record"]
     for rank, result in enumerate(results):
         record = result["record"]
@@ -123,14 +157,6 @@ def test_layer_norms_equal_the_reference_and_sum_to_megatrons_norm(layout, distr
         assert record[keys.GRAD_NORM_TOTAL] == pytest.approx(result["megatron_norm"], rel=RTOL)
         plain, with_norms = result["collectives"]
         assert with_norms == plain, "the per-layer norms must travel in the tracker's own collectives"
-    layers = [expected[f"layer_{i:02d}"][0] for i in range(SPEC.num_layers)]
-    largest = max(range(len(layers)), key=lambda i: layers[i])
-    assert first[keys.GRAD_NORM_LAYER_MAX_INDEX] == largest
-    assert first[keys.GRAD_NORM_LAYER_MAX] == pytest.approx(layers[largest], rel=RTOL)
-    median = sorted(layers)[1:3]
-    assert first[keys.GRAD_NORM_LAYER_MAX_OVER_MEDIAN] == pytest.approx(layers[largest] / (sum(median) / 2),
-                                                                        rel=RTOL)
-    assert "grad_norm/other" not in first
 
 
 def _slots_worker() -> list[tuple[str, int]]:

@@ -59,13 +59,22 @@ def _cuda_type_name(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
 
 
 def build_trained_gpt(spec: GPTSpec, *, distributed_optimizer: bool = False, lr: float = 1e-3,
-                      config_overrides: Optional[dict] = None) -> tuple[list, Any]:
-    """This rank's DDP-wrapped chunks of the ``spec`` model and Megatron's Adam over them (no clipping: CPU)."""
+                      config_overrides: Optional[dict] = None, moe: Any = None) -> tuple[list, Any]:
+    """This rank's DDP-wrapped chunks of the ``spec`` model and Megatron's Adam over them (no clipping: CPU).
+
+    ``moe``: a ``kit.megatron_moe.MoESpec`` for MoE layers (experts sharded over parallel_state's EP size)."""
     _with_gloo_groups()
     torch.Tensor.type = _cuda_type_name  # for the rest of this (forked worker) process
-    config = make_config(spec, **(config_overrides or {}))
-    config.finalize_model_grads_func = finalize_model_grads
-    chunks = build_gpt_model(spec, config=config)
+    if moe is not None:
+        from kit.megatron_moe import build_moe_model, moe_config
+
+        config = moe_config(spec, moe, **(config_overrides or {}))
+        config.finalize_model_grads_func = finalize_model_grads
+        chunks = build_moe_model(spec, config)
+    else:
+        config = make_config(spec, **(config_overrides or {}))
+        config.finalize_model_grads_func = finalize_model_grads
+        chunks = build_gpt_model(spec, config=config)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=distributed_optimizer)
     wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
