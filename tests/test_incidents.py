@@ -71,7 +71,8 @@ def _forward_step(data_iterator, model):
     return gpt_forward_step(data_iterator, model)
 
 
-LAYOUTS = [(Layout(dp=2), False), (Layout(tp=2, pp=2, dp=2), True), (Layout(pp=2, dp=2, vpp=2), False)]
+LAYOUTS = [(Layout(dp=2), False), (Layout(tp=2, pp=2, dp=2), True), (Layout(pp=2, dp=2, vpp=2), False),
+           (Layout(cp=2, dp=2), True)]
 
 
 @pytest.mark.parametrize("layout,distributed_optimizer", LAYOUTS, ids=[str(layout) for layout, _ in LAYOUTS])
