@@ -181,3 +181,28 @@ def test_the_loss_chart_marks_incidents(tmp_path):
     assert handle is not None and list(handle.get_xdata()) == [3, 3]
     assert [text.get_text() for text in axes.texts] == ["#41 (hard)"]
     assert mark_incidents(Figure().add_subplot(), str(tmp_path / "empty" / "metrics.jsonl")) is None
+
+
+def test_sample_losses_keep_the_top_samples_on_the_device_and_rank_non_finite_first():
+    from kit.guards import forbid_host_sync
+
+    samples = SampleLosses(top_k=2, dataset_names=["a", "b"])
+    losses = torch.tensor([[1.0, 1.0], [float("nan"), 2.0], [3.0, 5.0], [9.0, 9.0]])
+    inputs = {"labels": torch.zeros(4, 2, dtype=torch.long), "completion_mask": torch.tensor([[1, 1]] * 3 + [[0, 0]]),
+              "dataset_id": torch.tensor([0, 1, 0, 1]), "sample_index": torch.tensor([10, 11, 12, 13])}
+    with forbid_host_sync():
+        samples.accumulate(inputs, {"token_losses": losses})
+        samples.end_step(7)
+    assert samples.calculate() == {}  # the sync (no states of its own), then the interval is kept for gather_top
+    top = samples.gather_top()
+    assert [(s["sample_index"], s["dataset"], s["step"]) for s in top] == [(11, "b", 7), (12, "a", 7)]
+    assert top[1]["loss"] == 4.0 and top[1]["tokens"] == 2
+    assert top[0]["loss"] != top[0]["loss"]  # NaN: the non-finite sample ranks first
+
+
+def test_flag_reasons():
+    assert flag_reasons({"loss": 1.0, "train/loss_spike": 0, "train/nonfinite_loss_steps": 0}) == []
+    assert flag_reasons({"train/nonfinite_loss_steps": 2}) == ["nonfinite_loss"]
+    assert flag_reasons({"grad_norm/layer_03": float("inf"), "grad_norm/max_layer_over_median": float("inf")}) == \
+        ["nonfinite_grad_norm"]
+    assert flag_reasons({"grad_norm/max_layer_over_median": float("inf")}) == []  # a zero median: no incident
