@@ -177,3 +177,18 @@ def test_record_grad_norms_is_opt_in():
     tracker = MetricsTracker(log_interval=1, backends=())
     record = tracker.end_step(1, loss=torch.tensor([4.0, 2.0]))
     assert not any(key.startswith((keys.GRAD_NORM_PREFIX, keys.PARAM_NORM_PREFIX)) for key in record)
+
+
+def _without_optimizer_worker() -> str:
+    with cpu_cuda_shim():
+        chunks, _ = build_trained_gpt(SPEC, distributed_optimizer=True)
+        try:
+            MetricsTracker(log_interval=1, backends=()).record_grad_norms(chunks)
+        except ValueError as error:
+            return str(error)
+    return "no error"
+
+
+def test_the_distributed_optimizer_needs_the_optimizer():
+    messages = run_distributed(_without_optimizer_worker, layout=Layout(dp=2), timeout=120)
+    assert all("pass the optimizer" in message for message in messages)

@@ -73,6 +73,11 @@ class LayerParameters:
         width = max(2, len(str(max(self.num_layers - 1, 0))))
         self.slot_names: tuple[str, ...] = (*(f"layer_{i:0{width}d}" for i in range(self.num_layers)), *PARTS)
         owned = _owned_ranges(optimizer)
+        if owned is None and any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False)
+                                 for c in chunks):
+            # After a reduce-scatter each DP rank holds only its shard reduced: the rest of the buffer is stale.
+            raise ValueError("LayerParameters: the model uses Megatron's distributed optimizer; pass the optimizer "
+                             "(record_grad_norms(model_chunks, optimizer)) so that each gradient shard counts once")
         self.counted: list[CountedParameter] = []
         for chunk in chunks:
             layers = _layer_prefixes(chunk)
