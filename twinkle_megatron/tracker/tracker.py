@@ -21,6 +21,7 @@ Typical use with Megatron-LM::
     for iteration in range(start, end):
         with tracker.step(iteration + 1) as step:
             losses_reduced = forward_backward_func(...)  # one {'lm loss': [sum, count]} per microbatch
+            tracker.record_grad_norms(model_chunks, optimizer)  # opt-in: per-layer norms (docs/step-health.md)
             update_successful, grad_norm, num_zeros = optimizer.step()
             step.update(loss=losses_reduced, grad_norm=grad_norm, num_zeros=num_zeros,
                         lr=optimizer.param_groups[0]["lr"])
