@@ -165,11 +165,31 @@ def blended_batch(args: argparse.Namespace, blend, step: int, microbatch: int, d
     """Microbatch ``microbatch`` of data-parallel rank ``dp_rank`` at ``step``: consecutive samples of the blend
     (Megatron-LM's pretraining sampler), stacked, with each sample's ``dataset_id``."""
     first = (((step - 1) * args.microbatches + microbatch) * dp_size + dp_rank) * args.micro_batch_size
-    samples = [blend[first + i] for i in range(args.micro_batch_size)]
+    samples = [health_checked(args, first + i, blend[first + i]) for i in range(args.micro_batch_size)]
     batch = {key: torch.stack([sample[key] for sample in samples]) for key in ("tokens", "labels", "loss_mask")}
     batch["dataset_id"] = torch.tensor([int(sample["dataset_id"]) for sample in samples])
+    batch["sample_index"] = torch.arange(first, first + args.micro_batch_size)  # for the incidents' top samples
     batch["position_ids"] = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
     return batch
+
+
+def planted_sample(args: argparse.Namespace) -> Optional[int]:
+    """The global index of the bad sample ``--plant-bad-sample STEP`` plants: the middle of that step's batch."""
+    if not args.plant_bad_sample:
+        return None
+    global_batch_size = args.micro_batch_size * args.microbatches * args.dp
+    return (args.plant_bad_sample - 1) * global_batch_size + global_batch_size // 2
+
+
+def health_checked(args: argparse.Namespace, index: int, sample: dict) -> dict:
+    """Sample ``index`` of the blend, made bad when it is the planted one (every label moved half the vocabulary
+    away from the next count: confidently wrong, a loss spike), and left out of the loss (a zero loss mask) when
+    ``--skip-samples`` lists it."""
+    if getattr(args, "plant_bad_sample", 0) and index == planted_sample(args):
+        sample = {**sample, "labels": (sample["labels"] + args.vocab_size // 2) % args.vocab_size}
+    if index in getattr(args, "skipped_samples", ()):
+        sample = {**sample, "loss_mask": torch.zeros_like(sample["loss_mask"])}
+    return sample
 
 
 def this_cp_rank(tensor: torch.Tensor) -> torch.Tensor:
@@ -268,6 +288,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
 
     from twinkle_megatron import Accuracy, LossMetric, MetricsTracker, TokenStatsMetric
     from twinkle_megatron.megatron import instrument
+    from twinkle_megatron.metric import SampleLosses
+    from twinkle_megatron.tracker.incidents import read_skip_list
+
+    args.skipped_samples = read_skip_list(args.skip_samples) if args.skip_samples else set()
 
     stop = StopRequest()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
@@ -291,12 +315,14 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     # small model, and the heat map of `plot` reads them).
     corpora = {"group_names": list(CORPORA)}
     metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size, **corpora),      # <- plugin
-                                  TokenStatsMetric(vocab_size=args.vocab_size, **corpora), LossMetric(**corpora)],
+                                  TokenStatsMetric(vocab_size=args.vocab_size, **corpora), LossMetric(**corpora),
+                                  SampleLosses(dataset_names=list(CORPORA))],  # top samples for incidents
                          moe_per_layer=bool(args.moe_experts))
     tracker = MetricsTracker(                                                            # <- plugin
         log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
         padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-        global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir)
+        global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir,
+        spike_threshold=args.spike_threshold)
     first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
     blend = blended_dataset(args, args.steps * global_batch_size)
 
@@ -314,6 +340,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 data_iterator=[iter(microbatches) for _ in chunks] if args.vpp else iter(microbatches),
                 model=chunks if args.vpp else chunks[0], num_microbatches=args.microbatches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+            if args.layer_norms:  # after the gradient reduction, before the step clips them
+                tracker.record_grad_norms(chunks, optimizer)                             # <- plugin
             _, grad_norm, _ = optimizer.step()
             # The loss comes from instrument()'s LossMetric (per corpus too); the tokens from the loss masks.
             values.update(grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"],
@@ -447,6 +475,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="checkpoint every N steps, a multiple of --log-interval (0: never; a stop signal "
                              "always saves)")
     parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
+    parser.add_argument("--layer-norms", action="store_true", help="log per-layer gradient and parameter norms")
+    parser.add_argument("--plant-bad-sample", type=int, default=0, metavar="STEP",
+                        help="corrupt one sample of STEP's batch: a loss spike, named in RUN_DIR/incidents.jsonl "
+                             "(visible with a small batch and --log-interval 1, see docs/step-health.md)")
+    parser.add_argument("--spike-threshold", type=float, default=0.5,
+                        help="a loss spike (and an incident) is a loss above (1 + this) × its EMA")
+    parser.add_argument("--skip-samples", default=None, metavar="FILE",
+                        help="leave these samples out of the loss: an incidents.jsonl (each incident's top sample) "
+                             "or a text file of sample indices")
     args = parser.parse_args(argv)
     under_torchrun = "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else None

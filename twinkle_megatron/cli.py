@@ -1,9 +1,10 @@
-"""``twinkle-megatron``: look at a run from its JSONL log (``plot``, ``summary``).
+"""``twinkle-megatron``: look at a run from its JSONL log (``plot``, ``summary``, ``incidents``).
 
 ::
 
     twinkle-megatron summary runs/demo/metrics.jsonl       # first/last/min/max/mean of every key
     twinkle-megatron plot runs/demo/metrics.jsonl -o runs/demo/plots
+    twinkle-megatron incidents runs/demo                   # loss spikes: their samples and layers
 
 A run directory works too (its ``metrics.jsonl`` is read). The log is read
 strictly: a missing or empty file, a line that is not JSON or a record without
@@ -106,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the number of records, the step range, and the count, first, last, min, max "
                     "and mean of every key of a run log.")
     summary.add_argument("run", metavar="RUN.jsonl", help="the run log (or its run directory)")
+    incidents = commands.add_parser(
+        "incidents", help="print a run's incidents (loss spikes, non-finite values)",
+        description="Print each incident of a run (RUN_DIR/incidents.jsonl): why the step was flagged, its "
+                    "highest-loss samples with their index and dataset, the per-dataset losses and the layers "
+                    "with the largest gradient norms.")
+    incidents.add_argument("run", metavar="LOG", help="the run's incidents.jsonl, metrics.jsonl or run directory")
+    incidents.add_argument("--skip-list", type=int, default=0, metavar="N",
+                           help="print only the sample indices of each incident's N highest-loss samples, one a "
+                                "line: a skip list for examples/train_gpt.py --skip-samples")
     return parser
 
 
@@ -113,6 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (errors exit through ``SystemExit``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "incidents":
+        return _incidents(args)
     try:
         log = load_run(args.run)
     except RunLogError as error:
@@ -145,6 +157,19 @@ def _plot(log: RunLog, args: argparse.Namespace) -> int:
     if skipped:
         lines.append(f"skipped (keys not in the log): {', '.join(skipped)}")
     return _print("\n".join(lines), sys.stdout)
+
+
+def _incidents(args: argparse.Namespace) -> int:
+    from .tracker.incidents import describe_incident, load_incidents, read_skip_list
+
+    if not os.path.exists(args.run):
+        _fail(f"{args.run}: no such file or directory", 2)
+    if args.skip_list:
+        return _print("\n".join(str(i) for i in sorted(read_skip_list(args.run, args.skip_list))), sys.stdout)
+    found = load_incidents(args.run)
+    if not found:
+        return _print(f"no incidents in {args.run}", sys.stdout)
+    return _print("\n\n".join(describe_incident(incident) for incident in found), sys.stdout)
 
 
 def _fail(message: str, status: int) -> NoReturn:

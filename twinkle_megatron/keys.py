@@ -155,3 +155,27 @@ MOE_LAYER_STATS: tuple[tuple[str, str], ...] = (
     ("load_balancing_loss, seq_load_balancing_loss, global_load_balancing_loss, z_loss",
      "the layer's value of each of Megatron's router losses it computed"),
 )
+
+
+# grad_norm/, param_norm/: per-layer norms (opt-in: MetricsTracker.record_grad_norms; tracker/layer_norms.py).
+# Parts: layer_NN (global 0-based layer), embedding, output_layer, final_norm, other.
+GRAD_NORM_PREFIX = "grad_norm/"
+PARAM_NORM_PREFIX = "param_norm/"
+GRAD_NORM_TOTAL = "grad_norm/total"
+GRAD_NORM_LAYER_MAX = "grad_norm/max_layer_norm"
+GRAD_NORM_LAYER_MAX_INDEX = "grad_norm/max_layer"
+GRAD_NORM_LAYER_MAX_OVER_MEDIAN = "grad_norm/max_layer_over_median"
+# The per-part keys (for files and charts; the stdout line shows the compact view and the total only).
+LAYER_NORM_DETAIL_PREFIXES = (GRAD_NORM_PREFIX + "layer_", GRAD_NORM_PREFIX + "embedding",
+                              GRAD_NORM_PREFIX + "output_layer", GRAD_NORM_PREFIX + "final_norm",
+                              GRAD_NORM_PREFIX + "other", PARAM_NORM_PREFIX)
+
+
+def layer_grad_norm_key(part: str) -> str:
+    """``grad_norm/{part}``: ``part`` is ``layer_07`` (global 0-based layer), ``embedding``, ``output_layer``..."""
+    return GRAD_NORM_PREFIX + part
+
+
+def layer_param_norm_key(part: str) -> str:
+    """``param_norm/{part}``, as :func:`layer_grad_norm_key`."""
+    return PARAM_NORM_PREFIX + part

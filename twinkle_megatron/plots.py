@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import keys
+from .plot_incidents import mark_incidents
 
 if TYPE_CHECKING:
     from .logging.runlog import RunLog
@@ -99,6 +100,7 @@ def _draw_loss(axes: Any, log: RunLog) -> None:
     if spiked:  # where the loss jumped above its EMA by more than the tracker's threshold
         handles.append(axes.scatter(spiked, [losses[step] for step in spiked], marker="x", color="C3", s=40,
                                     zorder=3, label="loss spike"))
+    handles.append(mark_incidents(axes, log.path))  # incidents.jsonl beside the log: named samples
     _finish(axes, handles, "loss")
 
 

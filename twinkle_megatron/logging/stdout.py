@@ -38,13 +38,17 @@ _ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_GRAD_NORM_STEPS, keys.LOSS_
            keys.MEMORY_ALLOC_RETRIES, keys.METRIC_HOOK_FAILURES)
 
 
+_LEFT_OUT = (keys.MEMORY_PREFIX, keys.MOE_LAYER_PREFIX, *keys.LAYER_NORM_DETAIL_PREFIXES)  # for files and charts
+
+
 class StdoutBackend(Backend):
     """``step 10 | loss 2.3456 | ... | mfu 41.2% | ...`` on ``stream`` (default stdout).
 
     Non-zero anomaly counts (non-finite values, a loss spike, OOMs, allocation
     retries) are appended in capitals so they stand out. With ``all_keys`` every
     other numeric key is appended too (metrics of the collection, ``eval/*``), except
-    per-layer MoE keys (``moe/layer_*``: layers × experts, for files and charts).
+    per-layer MoE keys (``moe/layer_*``: layers × experts, for files and charts) and per-layer norms
+    (``grad_norm/layer_*``, ``param_norm/*``: their compact view is shown).
     """
 
     name = "stdout"
@@ -59,7 +63,7 @@ class StdoutBackend(Backend):
         if self.all_keys:
             parts += [f"{key} {_format(key, value)}" for key, value in record.items()
                       if key not in _SHOWN and _base(key) not in _COUNTS and key not in _ALARMS
-                      and not key.startswith(keys.MEMORY_PREFIX) and not key.startswith(keys.MOE_LAYER_PREFIX)]
+                      and not key.startswith(_LEFT_OUT)]
         parts += [f"{_alarm(key)} {_plain(record[key])}" for key in _ALARMS if record.get(key)]
         print(" | ".join(parts), file=self.stream or sys.stdout, flush=True)
 

@@ -45,9 +45,11 @@ from .. import keys
 from ..metric import Metric, MetricCollection
 from ..metric.base import Number
 from ..metric.logits_pass import logits_token_stats
+from ..metric.sample_losses import SampleLosses
 from ..parallel import ParallelContext
 from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
 from .hook_failures import HookFailures, MetricHookError
+from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
 from .moe_routing import attach_moe_routing, find_routers
@@ -55,7 +57,38 @@ from .token_reports import TokenReports, report_device, with_entries
 
 
 class MegatronInstrumentation:
-    """Metrics attached to a Megatron model; see :func:`instrument`."""
+    """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
+
+    ``model``: a model or the list of model chunks (virtual pipeline stages) given
+    to the schedule, wrapped or not in Megatron's DDP / Float16Module; None (for
+    ``pretrain()``, which builds the model): the hooks attach to the chunks the
+    wrapped ``forward_step`` receives. Pass ``instrumentation.wrap(forward_step)``
+    as the ``forward_step_func``, and call ``calculate()`` on every rank after a step::
+
+        with instrument(model, vocab_size=tokenizer.vocab_size) as metrics:
+            losses = forward_backward_func(forward_step_func=metrics.wrap(forward_step), ...)
+            results = metrics.calculate()   # {'accuracy': ..., 'loss': ..., 'entropy': ..., ...}
+
+    ``vocab_size`` is the true vocabulary size (Megatron pads it); the model must be
+    called with ``labels=`` (the hook reads them); the loss mask is read from the
+    ``loss_func`` partial (or from ``loss_mask=`` given to the model).
+
+    ``loss_reports`` (default: on exactly when ``model`` is None, i.e. when
+    Megatron's own loop logs): add ``accuracy``, ``entropy``, ``logprob`` (and
+    the per-group keys) to each loss report as ``[sum, count]`` entries, which
+    Megatron's ``train_step`` pools and ``training_log`` writes
+    (:mod:`.token_reports`); ``calculate()`` stays available either way.
+
+    ``group_names`` (with the default metrics; metrics passed in carry their own):
+    every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
+    group of each sample read from its batch's ``group_key`` (``dataset_id``,
+    as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
+    with :meth:`MegatronInstrumentation.record_group_ids`.
+
+    Megatron-core MoE layers also report routing health (``moe/...``, see
+    :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
+    routers alone, ``moe_per_layer=True`` adds the per-layer keys.
+    """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None,
                  metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
@@ -85,8 +118,9 @@ class MegatronInstrumentation:
         # Without a model, Megatron's own loop (pretrain()) is the one that logs: the statistics ride in its reports.
         self.reports = TokenReports(ignore_index, names, loss_key) \
             if (model is None if loss_reports is None else loss_reports) else None
+        self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
-        self._group_ids: Any = None  # the current microbatch's group ids (read from its batch, or recorded)
+        self._group_ids, self._sample_index = None, None  # the microbatch's group ids, sample indices
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
@@ -98,7 +132,7 @@ class MegatronInstrumentation:
 
     def _attach(self, chunks: Sequence[torch.nn.Module]) -> None:
         """Hooks on the language models of ``chunks`` not hooked yet (a chunk may come wrapped or unwrapped)."""
-        for gpt in _language_models(chunks):
+        for gpt in language_models(chunks):
             if id(gpt) in self._hooked:
                 continue
             self._hooked.add(id(gpt))
@@ -106,7 +140,7 @@ class MegatronInstrumentation:
             before = functools.partial(self._before_model, inspect.signature(gpt.forward))
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
             self._handles.append(gpt.output_layer.register_forward_hook(
-                functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
+                functools.partial(self._after_output_layer, mtp_heads(gpt)), with_kwargs=True))
 
     def _attach_lazily(self, model: Any) -> None:
         """On a chunk's first microbatch: its hooks (virtual pipeline stages arrive one chunk per call)."""
@@ -165,30 +199,32 @@ class MegatronInstrumentation:
         the hooks attach to each chunk the step receives, on its first call with it.
         """
         step = StepSignature.of(forward_step_func)
-        if self._grouped:
-            step.require(DATA_ITERATOR, forward_step_func, f"to read each batch's {self.group_key!r} (group_names)")
+        reads_batches = self._grouped or self._samples is not None
+        if reads_batches:
+            step.require(DATA_ITERATOR, forward_step_func, f"to read each batch's {self.group_key!r} (group_names) "
+                         f"or sample indices (SampleLosses)")
         if self._lazy:
             step.require(MODEL, forward_step_func, "to attach the hooks to it (instrument() was given no model)")
-        reads_arguments = self._grouped or self._lazy
+        reads_arguments = reads_batches or self._lazy
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
-            self._captured, self._group_ids = None, None
+            self._captured, self._group_ids, self._sample_index = None, None, None
             if reads_arguments:
                 arguments = step.bind(args, kwargs)
                 if self._lazy:
                     self._attach_lazily(arguments.arguments.get(MODEL))
                 iterator = arguments.arguments.get(DATA_ITERATOR)
-                if self._grouped and iterator is not None:
-                    arguments.arguments[DATA_ITERATOR] = BatchReader(iterator, self._read_group_ids)
+                if reads_batches and iterator is not None:
+                    arguments.arguments[DATA_ITERATOR] = BatchReader(iterator, self.record_batch)
                 output_tensor, loss_func = step.call(arguments)
             else:
                 output_tensor, loss_func = forward_step_func(*args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
-            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids)
+            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids, self._sample_index)
 
         return forward_step
 
@@ -197,11 +233,16 @@ class MegatronInstrumentation:
         ``forward_step`` whose batches do not carry them under ``group_key``; call it in ``forward_step``."""
         self._group_ids = group_ids
 
-    def _read_group_ids(self, batch: Any) -> None:
-        if isinstance(batch, Mapping) and batch.get(self.group_key) is not None:
+    def record_batch(self, batch: Any) -> None:
+        """Read the microbatch's group ids and (for :class:`SampleLosses`) sample indices from its batch."""
+        if not isinstance(batch, Mapping):
+            return
+        if batch.get(self.group_key) is not None:
             self.record_group_ids(batch[self.group_key])
+        if self._samples is not None:
+            self._sample_index = batch.get(self._samples.index_key)
 
-    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None) -> Callable:
+    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None, sample_index: Any = None) -> Callable:
         @functools.wraps(loss_func)
         def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
             result = loss_func(output_tensor, *args, **kwargs)
@@ -212,7 +253,7 @@ class MegatronInstrumentation:
             try:
                 loss_mask = None if captured is None else \
                     loss_mask_of(loss_func, captured["labels"], given=captured.get("loss_mask"))
-                entries = self._accumulate(captured, loss_mask, result, output_tensor, group_ids)
+                entries = self._accumulate(captured, loss_mask, result, output_tensor, group_ids, sample_index)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
             if self.reports is None:
@@ -229,7 +270,8 @@ class MegatronInstrumentation:
                           f"loss reports: {self._failures.messages[0]}", RuntimeWarning, stacklevel=3)
 
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
-                    output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None) -> Optional[dict]:
+                    output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None,
+                    sample_index: Any = None) -> Optional[dict]:
         """Feed the metrics; returns the report entries (with ``loss_reports``) when statistics were captured."""
         loss, num_tokens = loss_func_result(result, self.loss_key)
         inputs: dict[str, Any] = {}
@@ -248,11 +290,13 @@ class MegatronInstrumentation:
                 and output_tensor.numel() == labels.numel() else None
             if group_ids is not None:
                 inputs[self.group_key] = group_ids
-                if token_losses is not None:
-                    outputs["token_losses"] = token_losses
             if self.reports is not None:
                 groups = self.reports.groups(group_ids, labels, self.context)
                 entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
+            if self._samples is not None:
+                inputs[self._samples.index_key] = sample_index
+            if (group_ids is not None or self._samples is not None) and token_losses is not None:
+                outputs["token_losses"] = token_losses
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
         return entries
@@ -331,66 +375,11 @@ class MegatronInstrumentation:
         self.detach()
 
 
-def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None,
-               metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
-               vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
-               group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-               moe_routing: bool = True, moe_per_layer: bool = False,
-               loss_reports: Optional[bool] = None) -> MegatronInstrumentation:
-    """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
-
-    ``model``: a model or the list of model chunks (virtual pipeline stages) given
-    to the schedule, wrapped or not in Megatron's DDP / Float16Module; None (for
-    ``pretrain()``, which builds the model): the hooks attach to the chunks the
-    wrapped ``forward_step`` receives. Pass ``instrumentation.wrap(forward_step)``
-    as the ``forward_step_func``, and call ``calculate()`` on every rank after a step::
-
-        with instrument(model, vocab_size=tokenizer.vocab_size) as metrics:
-            losses = forward_backward_func(forward_step_func=metrics.wrap(forward_step), ...)
-            results = metrics.calculate()   # {'accuracy': ..., 'loss': ..., 'entropy': ..., ...}
-
-    ``vocab_size`` is the true vocabulary size (Megatron pads it); the model must be
-    called with ``labels=`` (the hook reads them); the loss mask is read from the
-    ``loss_func`` partial (or from ``loss_mask=`` given to the model).
-
-    ``loss_reports`` (default: on exactly when ``model`` is None, i.e. when
-    Megatron's own loop logs): add ``accuracy``, ``entropy``, ``logprob`` (and
-    the per-group keys) to each loss report as ``[sum, count]`` entries, which
-    Megatron's ``train_step`` pools and ``training_log`` writes
-    (:mod:`.token_reports`); ``calculate()`` stays available either way.
-
-    ``group_names`` (with the default metrics; metrics passed in carry their own):
-    every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
-    group of each sample read from its batch's ``group_key`` (``dataset_id``,
-    as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
-    with :meth:`MegatronInstrumentation.record_group_ids`.
-
-    Megatron-core MoE layers also report routing health (``moe/...``, see
-    :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
-    routers alone, ``moe_per_layer=True`` adds the per-layer keys.
-    """
-    return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
-                                   loss_key=loss_key, group_names=group_names, group_key=group_key,
-                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer, loss_reports=loss_reports)
+# The short name users call: ``instrument(model, ...)`` builds the class; one signature, one docstring.
+instrument = MegatronInstrumentation
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def _language_models(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules with an ``output_layer`` (GPTModel on the last stage), through any wrappers."""
-    found = []
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(getattr(module, "output_layer", None), torch.nn.Module) and \
-                    getattr(module, "post_process", True):
-                found.append(module)
-    return found
-
-
-def _mtp_heads(gpt: torch.nn.Module) -> int:
-    config = getattr(gpt, "config", None)
-    return int(getattr(config, "mtp_num_layers", None) or 0)
 
 
 def _no_tp(context: Any) -> Any:

@@ -11,9 +11,11 @@ from .logits_metric import LogitsMetric
 from .logprob_entropy import TokenStatsMetric
 from .loss import LossMetric
 from .ppo import PPOValueMetric
+from .sample_losses import SampleLosses
 from .sync import MetricSyncError, SyncedStates, calculate_metrics
 from .train import TrainMetric
 
 __all__ = ["Metric", "StateSpec", "SyncedStates", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",
            "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "DPOMetric",
-           "PPOMetric", "PPOValueMetric", "EmbeddingMetric", "CompletionRewardMetric", "MetricSyncError"]
+           "PPOMetric", "PPOValueMetric", "EmbeddingMetric", "CompletionRewardMetric", "MetricSyncError",
+           "SampleLosses"]

@@ -21,6 +21,7 @@ Typical use with Megatron-LM::
     for iteration in range(start, end):
         with tracker.step(iteration + 1) as step:
             losses_reduced = forward_backward_func(...)  # one {'lm loss': [sum, count]} per microbatch
+            tracker.record_grad_norms(model_chunks, optimizer)  # opt-in: per-layer norms (docs/step-health.md)
             update_successful, grad_norm, num_zeros = optimizer.step()
             step.update(loss=losses_reduced, grad_norm=grad_norm, num_zeros=num_zeros,
                         lr=optimizer.param_groups[0]["lr"])
@@ -38,13 +39,17 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging import MetricsLogger, build_backend
+from ..megatron.layer_grads import LayerParameters
 from ..megatron.loss_reports import accumulate_loss_values, loss_values
 from ..metric.base import Metric
 from ..metric.collection import MetricCollection
+from ..metric.sample_losses import SampleLosses
 from ..metric.sync import calculate_metrics, calculate_with_states, merge_results
 from ..parallel import ParallelContext
 from .config import TrackerConfig
 from .flops import flops_coefficients, num_floating_point_operations
+from .incidents import IncidentReporter
+from .layer_norms import LayerNorms
 from .memory import reset_peak_memory
 from .peak import current_device_name, fp8_autocast_active, peak_tflops
 from .record import ThroughputSetup, interval_record, interval_steps, interval_tokens
@@ -108,6 +113,10 @@ class MetricsTracker:
         self._data: Optional[StepDataStates] = None
         self._ranks: Optional[RankStates] = None
         self._warned: set[str] = set()
+        self._layer_norms: Optional[LayerNorms] = None  # opt-in: record_grad_norms
+        samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
+        self.incidents = IncidentReporter(samples, config.log_dir if "jsonl" in config.backends else None,
+                                          config.writer_rank)
         if dist.is_available() and dist.is_initialized():
             self._states()  # resolve the layout now, while every rank builds its tracker together
 
@@ -167,9 +176,25 @@ class MetricsTracker:
         if isinstance(lr, (list, tuple)):
             lr = lr[0]
         ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros)
+        if self.incidents.samples is not None:
+            self.incidents.samples.end_step(step)
         if step == 1 or step % self.log_interval == 0:
             return self._log(step)
         return None
+
+    def record_grad_norms(self, model_chunks: Any, optimizer: Any = None) -> None:
+        """Record per-layer gradient and parameter norms of this step (opt-in; ``tracker/layer_norms.py``).
+
+        Call it on every rank after the gradient reduction (``forward_backward_func``
+        returns after ``finalize_model_grads``) and before ``optimizer.step()`` (which
+        clips the gradients in place), with the model chunks and Megatron's optimizer
+        (needed with the distributed optimizer). Device work only; the norms join the
+        tracker's one sync, and the latest recorded step of each interval is logged.
+        """
+        if self._layer_norms is None:
+            self._layer_norms = LayerNorms(LayerParameters(model_chunks, optimizer), optimizer, self.device_mesh,
+                                           self.process_group)
+        self._layer_norms.record()
 
     @contextlib.contextmanager
     def step(self, step: Optional[int] = None) -> Iterator[dict[str, Any]]:
@@ -190,7 +215,8 @@ class MetricsTracker:
         self._pending_steps = 0
         context = self._context()
         data, ranks = self._states()
-        results, synced = calculate_with_states([*self.user_metrics, data, ranks])  # the one sync
+        health = [self._layer_norms] if self._layer_norms is not None else []
+        results, synced = calculate_with_states([*self.user_metrics, *health, data, ranks])  # the one sync
         data_states, rank_states = synced[-2], synced[-1]
         reset_peak_memory()
         setup = ThroughputSetup(world_size=context.reduce_size, flops_per_step=self.flops_per_step,
@@ -211,6 +237,8 @@ class MetricsTracker:
                                              f"{keys.METRIC_HOOK_FAILURES}); instrument().calculate() raises them")
         self.last_record = record
         self.logger.log(record, step)
+        if self.incidents.samples is not None or self._layer_norms is not None:
+            self.incidents.report(record, step)  # a flagged record (known on every rank) costs one gather
         return record
 
     def _smooth(self, record: dict[str, float], steps: int) -> None:

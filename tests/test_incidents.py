@@ -1,0 +1,208 @@
+"""Spike reports: a planted bad sample is named (index and dataset) by the incident, under every layout.
+
+A real megatron-core GPT (kit.megatron_gpt) with Megatron's DDP and Adam memorises
+one global batch for a few steps through Megatron's schedule; then, with the
+weights held, one sample of that batch gets random labels (the planted bad sample). The tracker flags
+the loss spike in its one sync, every rank learns of it, and the incident —
+one all-gather, on the flagged step only — names the planted sample's global
+index and dataset as the highest-loss sample. Non-flagged log steps make no
+more collectives than the tracker without SampleLosses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from kit.cuda_shim import cpu_cuda_shim
+from kit.distributed import Layout, run_distributed
+from kit.guards import count_collectives
+from kit.megatron_gpt import GPTSpec, make_batch
+from kit.megatron_training import build_trained_gpt, train_forward_backward
+
+from twinkle_megatron import MetricsTracker
+from twinkle_megatron.megatron import instrument
+from twinkle_megatron.metric import LossMetric, SampleLosses
+from twinkle_megatron.tracker.incidents import flag_reasons, format_incident, load_incidents, read_skip_list
+
+SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
+STEPS, PLANTED_STEP, PLANTED = 6, 6, 5  # the planted sample: row 5 of the global batch
+GLOBAL_BATCH, MICRO_BATCH = 8, 2
+
+
+def _batch(step: int) -> dict:
+    batch = make_batch(SPEC, global_batch_size=GLOBAL_BATCH, seq_length=8, seed=11, mask_fraction=0.0)
+    batch["sample_index"] = torch.arange(1000, 1000 + GLOBAL_BATCH)
+    batch["dataset_id"] = torch.arange(GLOBAL_BATCH) % 2
+    if step == PLANTED_STEP:
+        batch["labels"] = batch["labels"].clone()
+        batch["labels"][PLANTED] = torch.randint(0, SPEC.vocab_size, (8,), generator=torch.Generator().manual_seed(5))
+    return batch
+
+
+def _train(log_dir: str, distributed_optimizer: bool) -> dict:
+    with cpu_cuda_shim():
+        chunks, optimizer = build_trained_gpt(SPEC, distributed_optimizer=distributed_optimizer, lr=0.03)
+        metrics = instrument([c.module for c in chunks], [LossMetric(group_names=["even", "odd"]),
+                                                           SampleLosses(top_k=3, dataset_names=["even", "odd"])])
+        tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=("jsonl",), log_dir=log_dir,
+                                 ema_alpha=1.0, spike_threshold=0.1)
+        collectives, flags = {}, {}
+        for step in range(1, STEPS + 1):
+            tracker.start_step()
+            train_forward_backward(chunks, _batch(step), micro_batch_size=MICRO_BATCH,
+                                   forward_step_func=metrics.wrap(_forward_step))
+            tracker.record_grad_norms(chunks, optimizer)
+            if step < PLANTED_STEP - 1:  # the last two steps see the same weights: the spike is the planted sample's
+                optimizer.step()
+            with count_collectives() as counted:
+                record = tracker.end_step(step)
+            collectives[step], flags[step] = dict(counted), flag_reasons(record)
+        tracker.close()
+        metrics.detach()
+    return {"collectives": collectives, "flags": flags, "incident": tracker.incidents.last_incident}
+
+
+def _forward_step(data_iterator, model):
+    from kit.megatron_gpt import gpt_forward_step
+
+    return gpt_forward_step(data_iterator, model)
+
+
+LAYOUTS = [(Layout(dp=2), False), (Layout(tp=2, pp=2, dp=2), True), (Layout(pp=2, dp=2, vpp=2), False),
+           (Layout(cp=2, dp=2), True)]
+
+
+@pytest.mark.parametrize("layout,distributed_optimizer", LAYOUTS, ids=[str(layout) for layout, _ in LAYOUTS])
+def test_the_planted_sample_is_named_by_the_incident(tmp_path, layout, distributed_optimizer):
+    results = run_distributed(_train, layout=layout, args=(str(tmp_path), distributed_optimizer), timeout=240)
+    for rank, result in enumerate(results):
+        assert result["flags"][PLANTED_STEP] == ["loss_spike"], (rank, result["flags"])
+        assert not any(result["flags"][step] for step in range(2, PLANTED_STEP)), result["flags"]
+        incident = result["incident"]
+        assert incident == results[0]["incident"]
+        top = incident["samples"][0]
+        assert (top["sample_index"], top["dataset_id"], top["dataset"], top["step"]) == \
+            (1000 + PLANTED, PLANTED % 2, "odd", PLANTED_STEP), incident
+        assert top["complete"] and top["tokens"] == 8
+        assert set(incident["dataset_losses"]) == {"even", "odd"}
+        assert incident["layers"] and incident["layers"][0]["grad_norm"] > 0
+        normal = result["collectives"][PLANTED_STEP - 1]
+        flagged = result["collectives"][PLANTED_STEP]
+        # A flagged step costs exactly one all-gather more than a normal one.
+        assert sum(flagged.values()) == sum(normal.values()) + 1, (normal, flagged)
+    written = load_incidents(str(tmp_path))
+    assert [i["step"] for i in written] == [PLANTED_STEP]
+    assert read_skip_list(str(tmp_path / "incidents.jsonl")) == {1000 + PLANTED}
+    assert "top sample 1005 (dataset odd" in format_incident(written[0])
+
+
+def _plain(with_samples: bool) -> dict:
+    with cpu_cuda_shim():
+        chunks, optimizer = build_trained_gpt(SPEC)
+        extra = [SampleLosses()] if with_samples else []
+        metrics = instrument([c.module for c in chunks], [LossMetric(), *extra])
+        tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=())
+        counts = []
+        for step in (1, 2):
+            train_forward_backward(chunks, _batch(1), micro_batch_size=MICRO_BATCH,
+                                   forward_step_func=metrics.wrap(_forward_step))
+            with count_collectives() as counted:
+                tracker.end_step(step)
+            counts.append(dict(counted))
+    return counts
+
+
+def test_normal_steps_cost_no_collective():
+    layout = Layout(pp=2, dp=2)
+    plain = run_distributed(_plain, layout=layout, args=(False,), timeout=120)
+    kept = run_distributed(_plain, layout=layout, args=(True,), timeout=120)
+    assert kept == plain
+
+
+def test_skip_list_from_a_text_file(tmp_path):
+    path = tmp_path / "skip.txt"
+    path.write_text("12  # planted\n\n7\n")
+    assert read_skip_list(str(path)) == {7, 12}
+    (tmp_path / "incidents.jsonl").write_text(json.dumps({"step": 3, "reasons": ["nonfinite_loss"], "samples": [
+        {"sample_index": None, "loss": 1.0, "step": 3}, {"sample_index": 4, "loss": 0.5, "step": 3}]}) + "\n")
+    assert read_skip_list(str(tmp_path), per_incident=2) == {4}
+    assert os.path.exists(tmp_path / "incidents.jsonl")
+
+
+def test_sample_losses_refuses_a_bad_top_k():
+    with pytest.raises(ValueError, match="top_k"):
+        SampleLosses(top_k=0)
+
+
+def _incident_run(tmp_path):
+    records = [{"step": step, "loss": 2.0 + (step == 3)} for step in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    incident = {"step": 3, "reasons": ["loss_spike"], "loss": 3.0, "loss_ema": 2.0,
+                "samples": [{"sample_index": 41, "dataset_id": 1, "dataset": "hard", "loss": 9.5, "tokens": 7,
+                             "step": 3, "complete": True},
+                            {"sample_index": 40, "dataset_id": 0, "dataset": "easy", "loss": 2.5, "tokens": 7,
+                             "step": 3, "complete": False}],
+                "dataset_losses": {"easy": 2.1, "hard": 3.9}, "layers": [{"part": "layer_01", "grad_norm": 4.0}]}
+    (tmp_path / "incidents.jsonl").write_text(json.dumps(incident) + "\n")
+
+
+def test_the_cli_prints_incidents_and_skip_lists(tmp_path, capsys):
+    from twinkle_megatron.cli import main
+
+    _incident_run(tmp_path)
+    assert main(["incidents", str(tmp_path / "metrics.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "[incident] step 3: loss_spike" in out and "top sample 41 (dataset hard, loss 9.5" in out
+    assert "sample 40  dataset easy" in out and "partial" in out
+    assert "dataset losses: easy 2.1, hard 3.9" in out and "largest grad norms: layer_01 4" in out
+    assert main(["incidents", str(tmp_path), "--skip-list", "2"]) == 0
+    assert capsys.readouterr().out.split() == ["40", "41"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["incidents", str(empty)]) == 0
+    assert "no incidents" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["incidents", str(tmp_path / "missing")])
+    assert exit_info.value.code == 2
+
+
+def test_the_loss_chart_marks_incidents(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from twinkle_megatron.plot_incidents import mark_incidents
+
+    _incident_run(tmp_path)
+    axes = Figure().add_subplot()
+    handle = mark_incidents(axes, str(tmp_path / "metrics.jsonl"))
+    assert handle is not None and list(handle.get_xdata()) == [3, 3]
+    assert [text.get_text() for text in axes.texts] == ["#41 (hard)"]
+    assert mark_incidents(Figure().add_subplot(), str(tmp_path / "empty" / "metrics.jsonl")) is None
+
+
+def test_sample_losses_keep_the_top_samples_on_the_device_and_rank_non_finite_first():
+    from kit.guards import forbid_host_sync
+
+    samples = SampleLosses(top_k=2, dataset_names=["a", "b"])
+    losses = torch.tensor([[1.0, 1.0], [float("nan"), 2.0], [3.0, 5.0], [9.0, 9.0]])
+    inputs = {"labels": torch.zeros(4, 2, dtype=torch.long), "completion_mask": torch.tensor([[1, 1]] * 3 + [[0, 0]]),
+              "dataset_id": torch.tensor([0, 1, 0, 1]), "sample_index": torch.tensor([10, 11, 12, 13])}
+    with forbid_host_sync():
+        samples.accumulate(inputs, {"token_losses": losses})
+        samples.end_step(7)
+    assert samples.calculate() == {}  # the sync (no states of its own), then the interval is kept for gather_top
+    top = samples.gather_top()
+    assert [(s["sample_index"], s["dataset"], s["step"]) for s in top] == [(11, "b", 7), (12, "a", 7)]
+    assert top[1]["loss"] == 4.0 and top[1]["tokens"] == 2
+    assert top[0]["loss"] != top[0]["loss"]  # NaN: the non-finite sample ranks first
+
+
+def test_flag_reasons():
+    assert flag_reasons({"loss": 1.0, "train/loss_spike": 0, "train/nonfinite_loss_steps": 0}) == []
+    assert flag_reasons({"train/nonfinite_loss_steps": 2}) == ["nonfinite_loss"]
+    assert flag_reasons({"grad_norm/layer_03": float("inf"), "grad_norm/max_layer_over_median": float("inf")}) == \
+        ["nonfinite_grad_norm"]
+    assert flag_reasons({"grad_norm/max_layer_over_median": float("inf")}) == []  # a zero median: no incident
