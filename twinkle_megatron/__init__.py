@@ -11,6 +11,7 @@ from .metric import (
     LossMetric,
     Metric,
     MetricCollection,
+    MetricInputWarning,
     MetricSyncError,
     PPOMetric,
     PPOValueMetric,
@@ -25,4 +26,5 @@ __version__ = "0.1.0"
 __all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric",
            "GSPOMetric", "CISPOMetric", "PPOMetric", "PPOValueMetric", "DPOMetric", "EmbeddingMetric",
            "CompletionRewardMetric", "ParallelContext", "MetricsTracker", "TrackerConfig", "MetricSyncError",
+           "MetricInputWarning",
            "__version__"]
