@@ -25,6 +25,9 @@ setup(
     description="Megatron-aware training metrics: Twinkle's metric API, correct under TP/PP/CP/DP.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    # In the wheel's .dist-info: the licence, and the NOTICE crediting the designs this one follows.
+    license_files=["LICENSE", "NOTICE"],
     packages=find_packages(include=["twinkle_megatron", "twinkle_megatron.*"]),
     # The device-check record the Triton kernel's selection reads (written by `make gpu-check`).
     package_data={"twinkle_megatron.ops": ["kernel_checks.json"]},
