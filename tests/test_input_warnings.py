@@ -30,7 +30,7 @@ from twinkle_megatron import (
     TokenStatsMetric,
     TrainMetric,
 )
-from twinkle_megatron.metric.keywords import TWINKLE_CONSTRUCTOR_KEYWORDS
+from twinkle_megatron.metric.keywords import TWINKLE_CONSTRUCTOR_KEYWORDS, constructor_keywords
 
 ALL_METRICS = sorted({type(case.make()) for case in CASES}, key=lambda cls: cls.__name__)
 
@@ -184,6 +184,28 @@ def test_a_user_subclass_taking_its_own_keywords_is_not_checked(silent):
             super().__init__(device_mesh, process_group, **kwargs)
 
     Scaled(scale=2.0)
+
+
+def test_constructor_keywords_are_read_up_to_the_metric_base_only():
+    """With Twinkle installed, Metric derives from ``twinkle.metric.Metric``, whose ``__init__`` takes anything:
+    the classes above Metric are not read, so the check stays on."""
+
+    class TwinkleBase:
+        def __init__(self, device_mesh, process_group, **kwargs):
+            pass
+
+    class Base(TwinkleBase):
+        def __init__(self, device_mesh=None, process_group=None, *, strict=True, **kwargs):
+            pass
+
+    class Child(Base):
+        def __init__(self, device_mesh=None, process_group=None, vocab_size=None, **kwargs):
+            pass
+
+    Base.__module__ = Child.__module__ = "twinkle_megatron.metric.example"
+    assert constructor_keywords(Child, Base) == {"device_mesh", "process_group", "strict", "vocab_size"}
+    assert constructor_keywords(Child, TwinkleBase) is None  # a class outside the package taking **kwargs
+    assert {"vocab_size", "logits_layout", "group_names"} <= constructor_keywords(Accuracy, Metric)
 
 
 def test_the_warning_category_filters_like_any_other():

@@ -120,7 +120,7 @@ class Metric(_Base):
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
                  group_names: Optional[Any] = None, group_key: str = "dataset_id", **kwargs: Any) -> None:
-        check_constructor_keywords(self, kwargs)
+        check_constructor_keywords(self, kwargs, Metric)
         # ``...``: the placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``).
         device_mesh = device_mesh if given(device_mesh) else None
         process_group = process_group if given(process_group) else None

@@ -78,13 +78,15 @@ def _closest(name: str, candidates: Any) -> Optional[str]:
 # ------------------------------------------------------------------ constructor keywords
 
 @functools.cache
-def constructor_keywords(cls: type) -> Optional[frozenset]:
-    """The keywords ``cls(...)`` takes: every parameter named by an ``__init__`` of its classes. None when a
-    class outside this package takes ``**kwargs`` (it may read them itself)."""
+def constructor_keywords(cls: type, base: type) -> Optional[frozenset]:
+    """The keywords ``cls(...)`` takes: every parameter named by an ``__init__`` of ``cls`` and its bases up to
+    ``base`` (above it, Twinkle's ``Metric`` takes anything). None when a class outside this package takes
+    ``**kwargs`` (it may read them itself)."""
     names: set[str] = set()
-    for klass in cls.__mro__:
+    mro = cls.__mro__
+    for klass in mro[:mro.index(base) + 1]:
         init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
+        if init is None:
             continue
         parameters = inspect.signature(init).parameters.values()
         users_class = not (getattr(klass, "__module__", "") or "").startswith("twinkle_megatron")
@@ -94,12 +96,12 @@ def constructor_keywords(cls: type) -> Optional[frozenset]:
     return frozenset(names - {"self"})
 
 
-def check_constructor_keywords(metric: object, unknown: Mapping[str, Any]) -> None:
-    """Warn once for each keyword of ``unknown`` (what reached the base ``__init__``) the metric does not take."""
+def check_constructor_keywords(metric: object, unknown: Mapping[str, Any], base: type) -> None:
+    """Warn once for each keyword of ``unknown`` (what reached ``base.__init__``) the metric does not take."""
     if not unknown:
         return
     cls = type(metric)
-    accepted = constructor_keywords(cls)
+    accepted = constructor_keywords(cls, base)
     if accepted is None:
         return
     for name in unknown:
