@@ -32,8 +32,9 @@ setup(
     # The device-check record the Triton kernel's selection reads (written by `make gpu-check`).
     package_data={"twinkle_megatron.ops": ["kernel_checks.json"]},
     python_requires=">=3.10",
-    # No version pin on torch: installing this package must never pull a new torch.
-    install_requires=["torch>=2.1", "megatron-core>=0.13"],
+    # No version pin on torch: installing this package must never pull a new torch. megatron-core: the
+    # releases the suite ran and passed on (docs/versions.md); pip gives Python 3.11 0.16, Python 3.12 0.19.
+    install_requires=["torch>=2.1", "megatron-core>=0.13,<0.20"],
     extras_require=extras,
     entry_points={"console_scripts": ["twinkle-megatron=twinkle_megatron.cli:main"]},
 )

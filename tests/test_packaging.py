@@ -1,5 +1,5 @@
 """What `pip install` gives: the version in one place, the console script, extras that install what they name,
-the licence and the NOTICE in the wheel."""
+the licence and the NOTICE in the wheel, the megatron-core range CI runs at both ends."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import sys
 import zipfile
 from importlib.metadata import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 import twinkle_megatron
 
@@ -56,3 +59,18 @@ def test_the_wheel_carries_the_licence_and_the_notice(tmp_path):
     assert "modelscope/twinkle" in notice and "KempnerForge" in notice
     assert re.search(r"^License(-Expression)?: Apache-2\.0$", metadata, re.M), metadata[:2000]
     assert {"LICENSE", "NOTICE"} <= set(re.findall(r"^License-File: (?:.*/)?(\S+)$", metadata, re.M))
+
+
+def test_ci_runs_both_ends_of_the_megatron_core_range_install_requires_allows():
+    """``install_requires``, ``.ci/run`` and docs/versions.md agree: CI runs the oldest and the newest release
+    the range allows, and the versions page reports both."""
+    (line,) = [r for r in metadata("twinkle-megatron").get_all("Requires-Dist") if r.startswith("megatron-core")]
+    allowed = Requirement(line).specifier
+    ran = sorted(Version(v) for v in re.findall(r"^make test MCORE=(\S+)$", (ROOT / ".ci/run").read_text(), re.M))
+    oldest, newest = ran[0], ran[-1]
+    assert oldest in allowed and Version(f"{oldest.major}.{oldest.minor - 1}") not in allowed, (line, oldest)
+    assert newest in allowed and Version(f"{newest.major}.{newest.minor + 1}") not in allowed, (line, newest)
+    page = (ROOT / "docs" / "versions.md").read_text()
+    for version in (oldest, newest):
+        row = next(row for row in page.splitlines() if row.startswith(f"| {version} "))
+        assert "passed" in row and "failed" not in row, row
