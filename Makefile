@@ -13,7 +13,9 @@ TORCH_PIN := $(VENV)/torch-constraint.txt
 TRITON_VERSION ?= 3.7.1
 
 # `make test MCORE=0.14.0`: the suite against another megatron-core release, installed (pure Python, no
-# dependencies) into .mcore/VERSION and put ahead of the venv's megatron-core on PYTHONPATH.
+# dependencies) into .mcore/VERSION and put ahead of the venv's megatron-core on PYTHONPATH. 0.17 on declare
+# Python >= 3.12 and run on 3.11 (--ignore-requires-python); 0.18 on import triton at `import megatron.core`,
+# installed beside it (TRITON_VERSION, without dependencies: torch never changes) where none is importable.
 MCORE ?=
 ifneq ($(MCORE),)
 MCORE_DIR := .mcore/$(MCORE)
@@ -35,8 +37,12 @@ test: $(STAMP) $(MCORE_STAMP)
 	$(TEST_ENV) $(PY) -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
 	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py
 
-$(MCORE_STAMP): $(STAMP)
-	$(PY) -m pip install -q --no-deps --target $(MCORE_DIR) megatron-core==$(MCORE)
+# Order-only on the venv: a changed setup.py reinstalls this package, not the megatron-core release.
+$(MCORE_STAMP): | $(STAMP)
+	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(MCORE_DIR) megatron-core==$(MCORE)
+	$(TEST_ENV) $(PY) -c "import megatron.core" 2>/dev/null || $(TEST_ENV) $(PY) -c "import triton" 2>/dev/null || \
+		$(PY) -m pip install -q --no-deps --target $(MCORE_DIR) triton==$(TRITON_VERSION)
+	$(TEST_ENV) $(PY) -c "import megatron.core"
 	touch $@
 
 # The logging backends against the real tensorboard, wandb, mlflow and swanlab (pinned in

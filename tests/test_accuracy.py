@@ -155,7 +155,7 @@ def test_packed_sequences():
 def test_square_batches_follow_the_layout_keyword():
     logits = torch.randn(3, 3, 5)
     labels = logits.argmax(-1)
-    bsv, sbv = Accuracy(), Accuracy(logits_layout="sbv")
+    bsv, sbv = Accuracy(logits_layout="bsv"), Accuracy(logits_layout="sbv")  # square: declared (else a warning)
     bsv.accumulate({"labels": labels}, {"logits": logits})
     sbv.accumulate({"labels": labels.t()}, {"logits": logits})
     assert bsv.calculate()["accuracy"] == sbv.calculate()["accuracy"] == 1.0

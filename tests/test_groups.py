@@ -63,9 +63,10 @@ def data() -> dict:
 
 def collections(group_names=()) -> list[MetricCollection]:
     kw = {"group_names": group_names} if group_names else {}
-    return [MetricCollection([Accuracy(vocab_size=VOCAB, **kw), TokenStatsMetric(vocab_size=VOCAB, **kw),
-                              LossMetric(**kw), GRPOMetric(vocab_size=VOCAB, **kw), DPOMetric(**kw)]),
-            MetricCollection([GSPOMetric(vocab_size=VOCAB, **kw)])]
+    square = {"vocab_size": VOCAB, "logits_layout": "bsv"}  # ROWS == SEQ: the layout is declared, not guessed
+    return [MetricCollection([Accuracy(**square, **kw), TokenStatsMetric(**square, **kw),
+                              LossMetric(**kw), GRPOMetric(**square, **kw), DPOMetric(**kw)]),
+            MetricCollection([GSPOMetric(**square, **kw)])]
 
 
 def calls(collection: MetricCollection, d: dict, num_microbatches: int, vocab_shard: slice = slice(None)) -> list[Call]:

@@ -94,8 +94,10 @@ def feed_twinkle_megatron(collection: MetricCollection, batch: dict, view: RankV
 
 
 def make_collection(_=None) -> MetricCollection:
-    return MetricCollection([Accuracy(vocab_size=VOCAB), TokenStatsMetric(vocab_size=VOCAB), LossMetric(),
-                             GRPOMetric(), DPOMetric()])
+    # Twinkle's logits are [b, s, V]; a CP rank's [8, 8, V] cannot tell that itself (b == s / cp).
+    return MetricCollection([Accuracy(vocab_size=VOCAB, logits_layout="bsv"),
+                             TokenStatsMetric(vocab_size=VOCAB, logits_layout="bsv"), LossMetric(),
+                             GRPOMetric(logits_layout="bsv"), DPOMetric()])
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=2, dp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2),
@@ -126,7 +128,7 @@ def test_gathered_labels_with_local_logits_are_cut_to_this_cp_rank_single_proces
         return [Call({"labels": batch["labels"]}, {"logits": view.chunks(batch["logits"])})]
 
     batch = global_batch()
-    assert_layout_invariant(lambda _: Accuracy(vocab_size=VOCAB), batch, [Layout(cp=2)], feed=feed,
+    assert_layout_invariant(lambda _: Accuracy(vocab_size=VOCAB, logits_layout="bsv"), batch, [Layout(cp=2)], feed=feed,
                             expected=accuracy_reference(batch["logits"], batch["labels"], vocab_size=VOCAB))
 
 

@@ -11,6 +11,7 @@ from .metric import (
     LossMetric,
     Metric,
     MetricCollection,
+    MetricInputWarning,
     MetricSyncError,
     PPOMetric,
     PPOValueMetric,
@@ -24,4 +25,5 @@ from .version import __version__
 __all__ = ["Metric", "MetricCollection", "Accuracy", "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric",
            "GSPOMetric", "CISPOMetric", "PPOMetric", "PPOValueMetric", "DPOMetric", "EmbeddingMetric",
            "CompletionRewardMetric", "ParallelContext", "MetricsTracker", "TrackerConfig", "MetricSyncError",
+           "MetricInputWarning",
            "__version__"]

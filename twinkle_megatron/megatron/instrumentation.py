@@ -44,6 +44,7 @@ import torch
 from .. import keys
 from ..metric import Metric, MetricCollection
 from ..metric.base import Number
+from ..metric.keywords import check_layout_declared
 from ..metric.logits_pass import logits_token_stats
 from ..metric.sample_losses import SampleLosses
 from ..parallel import ParallelContext
@@ -323,6 +324,7 @@ class MegatronInstrumentation:
             if loss_mask is not None:
                 inputs["completion_mask"] = loss_mask.reshape(labels.shape)
             if logits is not None:
+                check_layout_declared(self, logits, labels, logits_layout)
                 outputs["token_stats"] = logits_token_stats(logits.detach(), labels, self.context, self.vocab_size,
                                                             logits_layout, self.ignore_index)
         if group_ids is not None:

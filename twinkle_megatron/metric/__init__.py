@@ -7,6 +7,7 @@ from .completion_reward import CompletionRewardMetric
 from .dpo import DPOMetric
 from .embedding import EmbeddingMetric
 from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
+from .keywords import MetricInputWarning
 from .logits_metric import LogitsMetric
 from .logprob_entropy import TokenStatsMetric
 from .loss import LossMetric
@@ -18,4 +19,4 @@ from .train import TrainMetric
 __all__ = ["Metric", "StateSpec", "SyncedStates", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",
            "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "DPOMetric",
            "PPOMetric", "PPOValueMetric", "EmbeddingMetric", "CompletionRewardMetric", "MetricSyncError",
-           "SampleLosses"]
+           "SampleLosses", "MetricInputWarning"]

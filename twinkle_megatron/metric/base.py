@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ..parallel import ParallelContext
 from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenGroups, check_group_names, token_groups
-from .inputs import given
+from .inputs import arrays_as_tensors, given
+from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
 from .sync import SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
 
 Number = Union[int, float]
@@ -78,6 +79,8 @@ def _without_autograd(accumulate: Callable) -> Callable:
             # Known only once the subclass declared its states: at the first call, before any state changes.
             raise ValueError(f"{type(self).__name__} has no per-group statistics; group_names={self.group_names} "
                              "would report nothing per group (use it on the token-level metrics)")
+        args, kwargs = arrays_as_tensors(args), arrays_as_tensors(kwargs, depth=3)  # numpy at the boundary
+        check_call(self, args[1] if len(args) > 1 else kwargs.get("outputs"), kwargs)
         with torch.no_grad():
             return accumulate(self, *args, **kwargs)
 
@@ -103,14 +106,21 @@ class Metric(_Base):
             ``BlendedDataset`` names it ``dataset_id``).
     """
 
+    call_keywords: ClassVar[tuple[str, ...]] = ()
+    """The ``accumulate`` keywords the metric reads (per-call values): their near misses warn (see :mod:`.keywords`)."""
+    output_keys: ClassVar[tuple[str, ...]] = ()
+    """The ``outputs`` keys the metric reads, one of which a call needs to add anything (empty: none needed)."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        register_call_keywords(cls.call_keywords)
         accumulate = cls.__dict__.get("accumulate")
         if accumulate is not None and not getattr(accumulate, "__wrapped_without_autograd__", False):
             cls.accumulate = _without_autograd(accumulate)
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
                  group_names: Optional[Any] = None, group_key: str = "dataset_id", **kwargs: Any) -> None:
+        check_constructor_keywords(self, kwargs, Metric)
         # ``...``: the placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``).
         device_mesh = device_mesh if given(device_mesh) else None
         process_group = process_group if given(process_group) else None
@@ -256,6 +266,7 @@ class Metric(_Base):
         identity of every other state, so ``compute`` reports just the group's
         statistics (nothing where the group saw no data).
         """
+        check_outputs_read(self)
         results = self.compute(states)
         for index, group in enumerate(self.group_names):
             view = {}

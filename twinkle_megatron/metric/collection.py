@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterable, Mapping, Union
 
+from .inputs import arrays_as_tensors
 from .logits_pass import sharing_token_stats
 from .sync import Number, calculate_metrics, is_builtin, reduced_state_dicts
 
@@ -34,6 +35,7 @@ class MetricCollection:
         Keywords a user metric's ``accumulate`` does not take (the documentation's
         ``accumulate(self, inputs, outputs)`` takes none) are not passed to it.
         """
+        inputs, outputs, kwargs = arrays_as_tensors(inputs), arrays_as_tensors(outputs), arrays_as_tensors(kwargs, 3)
         with sharing_token_stats():
             for metric in self.metrics:
                 metric.accumulate(inputs, outputs, **_keywords_for(metric, kwargs))

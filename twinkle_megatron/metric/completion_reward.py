@@ -73,6 +73,9 @@ class CompletionRewardMetric(Metric):
     (True, 20.0)
     """
 
+    call_keywords = ("rewards", "completion_lengths", "completions", "generate_time", "generation_time",
+                     "weight_sync_time")
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, cp_gathered: bool = True,
                  max_reward_functions: int = 16, max_name_length: int = 64, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, cp_gathered=cp_gathered, **kwargs)

@@ -78,6 +78,9 @@ class DPOMetric(Metric):
     (0.2, 1.0)
     """
 
+    call_keywords = ("pair_layout", "ref_outputs", "ref_logps", "group_ids")
+    output_keys = ("logps",)
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
                  beta: float = 0.1, pair_layout: str = "interleaved", **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)

@@ -78,6 +78,9 @@ class EmbeddingMetric(Metric):
     {'pos_sim': 0.8, 'pos_sim_min': 0.8, 'pos_sim_max': 0.8, 'neg_sim': 0.6}
     """
 
+    call_keywords = ("grad_norm",)
+    output_keys = ("embeddings", "logits")
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, cp_gathered: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, cp_gathered=cp_gathered, **kwargs)

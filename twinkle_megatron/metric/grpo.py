@@ -49,6 +49,7 @@ import torch
 from .base import Metric, Number, StateValues
 from .context_parallel import global_positions, sum_over_context_parallel
 from .inputs import call_value, check_same_shape, given, to_device
+from .keywords import check_layout_declared
 from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
 
@@ -110,6 +111,9 @@ class GRPOMetric(Metric):
     >>> result["train/clip_ratio_high"], round(result["train/token_ratio_max"], 6)  # ratio 2 > 1.2 with A > 0
     (0.5, 2.0)
     """
+
+    call_keywords = ("old_logps", "advantages", "vocab_size", "logits_layout", "group_ids")
+    output_keys = ("logps",)
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
@@ -181,6 +185,7 @@ class GRPOMetric(Metric):
         if logits is None:
             return None
         labels = batch.tensors["labels"]
+        check_layout_declared(self, logits, labels, layout)
         if logits.shape[logits_sequence_dim(logits, labels, layout)] == labels.shape[-1]:
             return logits
         if not self._warned_entropy:

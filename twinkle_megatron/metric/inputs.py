@@ -16,6 +16,7 @@ metric's constructor default.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -28,6 +29,56 @@ def given(value: Any) -> bool:
     if value is None or value is Ellipsis:
         return False
     return not (isinstance(value, (list, tuple)) and len(value) == 0 and not hasattr(value, "_fields"))
+
+
+def arrays_as_tensors(value: Any, depth: int = 4) -> Any:
+    """``value`` with the numpy arrays in it (itself, or inside mappings, lists and tuples up to ``depth``
+    levels) as tensors; ``value`` itself, not a copy, when it holds none.
+
+    Called once per ``accumulate`` at the input boundary, so that every metric reads tensors. A list is
+    homogeneous: one whose first item is a tensor, a number or a string (per-microbatch logits, rewards,
+    completions) is taken to hold no arrays and is not walked.
+    """
+    numpy = sys.modules.get("numpy")  # numpy arrays exist only once numpy is imported
+    return value if numpy is None else _arrays_as_tensors(value, numpy.ndarray, depth)
+
+
+_LEAVES = frozenset({torch.Tensor, int, float, bool, str, type(None)})  # types that hold no array
+
+
+def _arrays_as_tensors(value: Any, ndarray: type, depth: int) -> Any:
+    # Type identity first: isinstance against torch.Tensor or an ABC costs ~0.5 us when it fails.
+    kind = type(value)
+    if kind in _LEAVES:
+        return value
+    if isinstance(value, ndarray):
+        if value.dtype.kind not in "biufc":
+            return value  # object and string arrays: no tensor dtype
+        # Shared memory where torch can share it; a copy of a read-only or strided array.
+        return torch.from_numpy(value) if value.flags.writeable and value.flags.c_contiguous else torch.tensor(value)
+    if depth == 0:
+        return value
+    if kind is dict or (kind is not list and kind is not tuple and isinstance(value, Mapping)):
+        converted = None
+        for key, item in value.items():
+            new = _arrays_as_tensors(item, ndarray, depth - 1)
+            if new is not item:
+                converted = dict(value) if converted is None else converted
+                converted[key] = new
+        return value if converted is None else converted
+    if isinstance(value, (list, tuple)) and value and type(value[0]) not in _LEAVES:
+        converted = None
+        for index, item in enumerate(value):
+            new = _arrays_as_tensors(item, ndarray, depth - 1)
+            if new is not item:
+                converted = list(value) if converted is None else converted
+                converted[index] = new
+        if converted is None:
+            return value
+        if hasattr(value, "_fields"):
+            return type(value)(*converted)
+        return tuple(converted) if isinstance(value, tuple) else converted
+    return value
 
 
 def call_value(name: str, kwargs: Mapping[str, Any], outputs: Optional[Mapping[str, Any]] = None,

@@ -7,6 +7,7 @@ from typing import Any, Iterator, Mapping, Optional
 from .base import Metric, Number, StateValues
 from .groups import TokenGroups
 from .inputs import call_value, microbatches, token_mask
+from .keywords import check_layout_declared
 from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
 
 
@@ -21,6 +22,9 @@ class LogitsMetric(Metric):
     ``strict=True`` (default) ``calculate()`` raises ``ValueError`` on every rank
     when any rank saw an invalid label (the count is global, so all ranks agree).
     """
+
+    call_keywords = ("vocab_size", "logits_layout", "group_ids")
+    output_keys = ("logits", "token_stats")
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
                  vocab_size: Optional[int] = None, logits_layout: Optional[str] = None, strict: bool = True,
@@ -49,6 +53,7 @@ class LogitsMetric(Metric):
         for batch, output in microbatches(inputs, source, ("logits", "token_stats", "group_ids")):
             if "logits" not in output and "token_stats" not in output:
                 continue
+            check_layout_declared(self, output.get("logits"), batch.get("labels"), layout)
             aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
                                              self.cp_gathered, self.group_ids_of(batch, output))
             if not aligned.counted_here:

@@ -63,6 +63,9 @@ class LossMetric(Metric):
     {'loss': 2.0, 'grad_norm': 0.5}
     """
 
+    call_keywords = ("loss", "loss_reduction", "num_tokens", "grad_norm", "group_ids")
+    output_keys = ("loss",)
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, loss_reduction: str = "mean",
                  ignore_index: int = -100, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)

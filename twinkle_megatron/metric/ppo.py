@@ -63,6 +63,9 @@ class PPOValueMetric(Metric):
     (1.0, 0.5)
     """
 
+    call_keywords = ("old_values", "returns", "advantages")
+    output_keys = ("values",)
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, epsilon: float = 0.2,
                  ignore_index: int = -100, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)

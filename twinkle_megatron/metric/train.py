@@ -39,6 +39,8 @@ class TrainMetric(Metric):
     (2e-05, 8, ['speed', 'total time elapse'])
     """
 
+    call_keywords = ("lr", "step", "gradient_accumulation_steps")
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, max_param_groups: int = 16,
                  **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
