@@ -77,9 +77,9 @@ class HookFailures(Metric):
 
 
 def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100,
-                    group_names: Optional[Sequence[str]] = None) -> list[Metric]:
-    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss (per group too)."""
-    groups = {"group_names": group_names} if group_names else {}
+                    group_names: Optional[Sequence[str]] = None, **by_position: Any) -> list[Metric]:
+    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss (per group, position too)."""
+    groups = {"group_names": group_names, **by_position} if group_names else by_position
     return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
             TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
             LossMetric(**groups)]
@@ -92,9 +92,9 @@ class MegatronInstrumentation:
                  metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-                 moe_routing: bool = True, moe_per_layer: bool = False) -> None:
+                 moe_routing: bool = True, moe_per_layer: bool = False, **by_position: Any) -> None:
         if metrics is None:
-            metrics = default_metrics(vocab_size, ignore_index, group_names)
+            metrics = default_metrics(vocab_size, ignore_index, group_names, **by_position)
         self._failures = HookFailures()
         self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
@@ -110,6 +110,7 @@ class MegatronInstrumentation:
         self.loss_key = loss_key
         self.group_key = group_key
         self._grouped = any(getattr(m, "group_names", ()) for m in user_metrics)
+        self._by_position = any(getattr(m, "position_buckets", None) is not None for m in user_metrics)
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
         self._group_ids: Any = None  # the current microbatch's group ids (read from its batch, or recorded)
         self._handles: list = []
@@ -128,7 +129,7 @@ class MegatronInstrumentation:
                       kwargs: dict) -> None:
         try:
             bound = signature.bind_partial(*args, **kwargs).arguments
-            self._current = {"labels": bound.get("labels"), "loss_mask": bound.get("loss_mask")}
+            self._current = {key: bound.get(key) for key in ("labels", "loss_mask", "packed_seq_params")}
             self._calls_in_forward = 0
         except Exception as error:  # noqa: BLE001 - see the module docstring
             self._failures.record("model pre-hook", error)
@@ -146,7 +147,7 @@ class MegatronInstrumentation:
             context = self.context
             stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
                                        self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
-            self._captured = {"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats}
+            self._captured = {**self._current, "stats": stats}
         except Exception as error:  # noqa: BLE001
             self._failures.record("output_layer hook", error)
 
@@ -208,11 +209,12 @@ class MegatronInstrumentation:
             if loss_mask is not None:
                 inputs["completion_mask"] = loss_mask.reshape(labels.shape)
             outputs["token_stats"] = captured["stats"]
+            inputs["packed_seq_params"] = captured.get("packed_seq_params")  # THD: sub-sequences
             if group_ids is not None:
                 inputs[self.group_key] = group_ids
-                # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the
-                # report's [sum, count] is one number for the whole microbatch, whatever its samples' groups);
-                # the global loss stays the report's.
+            if group_ids is not None or self._by_position:
+                # Per group (position), the loss is pooled from GPTModel's per-token losses (the report's [sum,
+                # count] is one number for the whole microbatch); the global loss stays the report's.
                 if isinstance(output_tensor, torch.Tensor) and output_tensor.numel() == labels.numel():
                     outputs["token_losses"] = output_tensor.detach().reshape(labels.shape)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
@@ -294,7 +296,7 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-               moe_routing: bool = True, moe_per_layer: bool = False) -> MegatronInstrumentation:
+               moe_routing: bool = True, moe_per_layer: bool = False, **by_position: Any) -> MegatronInstrumentation:
     """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
 
     ``model`` is a model or the list of model chunks (virtual pipeline stages)
@@ -314,7 +316,7 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
     group of each sample read from its batch's ``group_key`` (``dataset_id``,
     as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
-    with :meth:`MegatronInstrumentation.record_group_ids`.
+    with :meth:`MegatronInstrumentation.record_group_ids`. ``position_buckets``, ``seq_length``: per position too.
 
     A model with megatron-core MoE layers also reports routing health (``moe/...``
     keys, see :mod:`.moe_routing`) in the same sync; ``moe_routing=False`` leaves
@@ -322,7 +324,7 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     """
     return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
                                    loss_key=loss_key, group_names=group_names, group_key=group_key,
-                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer)
+                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer, **by_position)
 
 
 # ------------------------------------------------------------------ helpers
