@@ -274,3 +274,21 @@ def test_instrument_reports_loss_accuracy_and_logprob_by_position(layout):
     assert all(result == per_rank[0] for result in per_rank)
     for key, value in want.items():
         assert per_rank[0][key] == pytest.approx(value, rel=1e-5), key
+
+
+# ------------------------------------------------------------------ the chart
+
+
+def test_plot_draws_the_loss_by_position_and_keeps_buckets_off_the_dataset_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from twinkle_megatron.logging.runlog import load_run
+    from twinkle_megatron.plots import plot_run
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 2.0, "loss/pos_0-511": 2.0 - step / 100,
+                                        "loss/pos_512-1023": 3.0 - step / 50}) + "\n" for step in range(1, 11)))
+    written, skipped = plot_run(load_run(str(path)), str(tmp_path / "plots"))
+    names = {name.rsplit("/", 1)[-1] for name in written}
+    assert "positions.png" in names and "datasets.png" not in names
