@@ -245,7 +245,7 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
         raise MissingMatplotlib("matplotlib is not installed") from error
 
     by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
-                         draw_loss_by_position)]
+                         draw_loss_by_position)] if position_keys(log) else []
     panels = [*PANELS, *dataset_panels(log), *by_position, *moe_panels(log), *(key_panel(key) for key in extra_keys)]
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
