@@ -22,6 +22,7 @@ are mapped back (:func:`.context_parallel.global_positions`); in a packed row
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -48,11 +49,17 @@ class PositionBuckets(NamedTuple):
 
     def of(self, positions: torch.Tensor) -> TokenGroups:
         """The bucket of each position (a :class:`TokenGroups` of the ``/positions`` partition)."""
-        edges = torch.tensor(self.edges, dtype=torch.int64, device=positions.device)
+        edges = _edges_on(self.edges, positions.device)
         ids = torch.searchsorted(edges, positions.to(torch.int64).contiguous(), right=True) - 1
         count = len(self.edges) - 1
         valid = (ids >= 0) & (ids < count)
         return TokenGroups(ids.clamp(0, count - 1), valid, count, POSITIONS_SUFFIX)
+
+
+@functools.lru_cache(maxsize=16)
+def _edges_on(edges: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The edges as a device tensor, copied to each device once (not once per microbatch)."""
+    return torch.tensor(edges, dtype=torch.int64, device=device)
 
 
 def position_buckets(buckets: Union[None, int, Sequence[int]], seq_length: Optional[int] = None
