@@ -224,7 +224,7 @@ class Metric(_Base):
             self._add(INVALID_GROUP_IDS, (counted * ~groups.valid).sum())  # a mask, or a microbatch's count
             parts.append(groups)
         if self.position_buckets is not None and positions is not None:
-            parts.append(self.position_buckets.of(positions.to(like.device)))
+            parts.append(self.position_buckets.of(positions.to(like.device), like.shape))
         return TokenSlices(parts) if parts else None
 
     def group_ids_of(self, batch: Any, output: Any) -> Any:

@@ -56,9 +56,13 @@ class TokenGroups(NamedTuple):
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """``[G]`` float64: Σ values per group (``values`` shaped like the tokens, 0 where not counted)."""
-        values = torch.where(self.valid, values.to(torch.float64), 0.0)
+        ids, valid, values = self.ids, self.valid, values.to(torch.float64)
+        if ids.dim() == 2 and ids.stride(0) == 0 and valid.stride(0) == 0:
+            # One row of slices for every row (position buckets of padded rows): add up the rows first.
+            ids, valid, values = ids[0], valid[0], values.sum(0)
+        values = torch.where(valid, values, 0.0)
         totals = torch.zeros(self.num_groups, dtype=torch.float64, device=values.device)
-        return totals.index_add_(0, self.ids.reshape(-1), values.reshape(-1))
+        return totals.index_add_(0, ids.reshape(-1), values.reshape(-1))
 
     def max(self, values: torch.Tensor) -> torch.Tensor:
         """``[G]`` float64: max of values per group (``values`` -inf where not counted; -inf for empty groups)."""

@@ -17,7 +17,7 @@ megatron-core's ``get_thd_batch_on_this_cp_rank``). So the rank's piece of
 sequence ``j`` has ``L_j / cp`` tokens, and :func:`packed_sequences` maps each
 local token back to its sequence, its position in it, and whether it is real
 (padding is not). Everything is device arithmetic on ``cu_seqlens`` (a
-``searchsorted``): no host sync; the number of sequences is a shape.
+``repeat_interleave`` of known output size): no host sync; the number of sequences is a shape.
 """
 
 from __future__ import annotations
@@ -89,7 +89,11 @@ def packed_sequences(cu_seqlens: tuple[torch.Tensor, torch.Tensor], local_length
     local_starts = local_ends - local_lengths
     token = torch.arange(local_length, device=device)
     count = padded_lengths.shape[0]
-    index = torch.searchsorted(local_ends, token, right=True).clamp(max=count - 1)
+    # Each token's sequence: sequence j repeated over its L_j / cp tokens, the tokens after the last sequence
+    # given to it too (not real); output_size is a shape, so no host sync.
+    tail = (local_length - local_ends[-1:]).clamp(min=0)
+    sequences = torch.arange(count + 1, device=device).clamp(max=count - 1)  # the tail: the last sequence's
+    index = torch.repeat_interleave(sequences, torch.cat([local_lengths, tail]), output_size=local_length)
     offset = token - local_starts[index]
     if cp > 1:
         half = local_lengths[index] // 2

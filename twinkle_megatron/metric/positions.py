@@ -47,13 +47,15 @@ class PositionBuckets(NamedTuple):
         """(twin suffix, slice names): the partition of the tokens the buckets make (see :mod:`.groups`)."""
         return POSITIONS_SUFFIX, self.labels
 
-    def of(self, positions: torch.Tensor) -> TokenGroups:
-        """The bucket of each position (a :class:`TokenGroups` of the ``/positions`` partition)."""
+    def of(self, positions: torch.Tensor, shape: torch.Size) -> TokenGroups:
+        """The bucket of each token of ``shape`` (a :class:`TokenGroups` of the ``/positions`` partition) from
+        its position; ``positions`` broadcasts to ``shape`` (one row of positions serves every row)."""
         edges = _edges_on(self.edges, positions.device)
-        ids = torch.searchsorted(edges, positions.to(torch.int64).contiguous(), right=True) - 1
-        count = len(self.edges) - 1
-        valid = (ids >= 0) & (ids < count)
-        return TokenGroups(ids.clamp(0, count - 1), valid, count, POSITIONS_SUFFIX)
+        positions = positions.to(torch.int64)
+        # The number of inner edges at or below p: B comparisons per position (B is small), no searchsorted.
+        ids = (positions[..., None] >= edges[1:-1]).sum(-1)
+        valid = (positions >= edges[0]) & (positions < edges[-1])
+        return TokenGroups(ids.expand(shape), valid.expand(shape), len(self.edges) - 1, POSITIONS_SUFFIX)
 
 
 @functools.lru_cache(maxsize=16)
@@ -85,7 +87,8 @@ def position_buckets(buckets: Union[None, int, Sequence[int]], seq_length: Optio
 
 def token_positions(batch: Any, like: torch.Tensor, context: ParallelContext, complete: bool
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(position of each token in its own sequence, real-token mask or None), both shaped like ``like``.
+    """(position of each token in its own sequence, real-token mask or None), broadcasting to ``like``'s shape
+    (positions of padded rows are one row: every row has the same).
 
     ``like`` holds the microbatch's tokens as the metric sees them after the CP
     alignment (``[b, s]`` or a packed ``[t]`` / ``[1, t]``); ``complete``: whole
@@ -96,7 +99,7 @@ def token_positions(batch: Any, like: torch.Tensor, context: ParallelContext, co
     cu_seqlens = packed_cu_seqlens(batch)
     if cu_seqlens is None:
         positions = global_positions(local_length, context, complete, like.device)
-        return positions.expand(like.shape), None
+        return positions, None
     if like.dim() == 2 and like.shape[0] != 1:
         raise ValueError(f"a packed microbatch (cu_seqlens) holds one row of tokens, got shape {tuple(like.shape)}")
     packed = packed_sequences(cu_seqlens, local_length, context, complete, like.device)

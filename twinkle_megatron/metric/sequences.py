@@ -177,11 +177,12 @@ class SequenceBatch(NamedTuple):
         return self.packed.sum(values) if self.packed is not None else values.sum(-1)
 
     def positions(self, context: ParallelContext) -> torch.Tensor:
-        """Each token's position in its own sequence (CP chunks mapped back, packed sub-sequences from 0)."""
+        """Each token's position in its own sequence (CP chunks mapped back, packed sub-sequences from 0),
+        broadcasting to the tokens' shape."""
         labels = self.tensors["labels"]
         if self.packed is not None:
             return self.packed.positions.reshape(labels.shape)
-        return global_positions(labels.shape[-1], context, self.complete, labels.device).expand(labels.shape)
+        return global_positions(labels.shape[-1], context, self.complete, labels.device)
 
 
 ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], SequenceTensors]
