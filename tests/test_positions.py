@@ -205,6 +205,8 @@ def test_equal_buckets_over_seq_length_and_bad_options():
             Accuracy(**bad)
     with pytest.raises(ValueError, match="no per-token statistics by position"):
         DPOMetric(position_buckets=[0, 4])
+    with pytest.raises(TypeError, match="postion_buckets"):  # a misspelt option is not silently ignored
+        instrument(torch.nn.Linear(2, 2), postion_buckets=4)
     # Positions past the last edge are in no bucket; the global statistics keep them.
     metric = Accuracy(position_buckets=[0, 2])
     metric.accumulate({"labels": torch.tensor([[1, 1, 1]])}, {"logits": torch.nn.functional.one_hot(

@@ -93,6 +93,8 @@ class MegatronInstrumentation:
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
                  moe_routing: bool = True, moe_per_layer: bool = False, **by_position: Any) -> None:
+        if set(by_position) - {"position_buckets", "seq_length"}:  # the default metrics' position options only
+            raise TypeError(f"instrument() got unexpected keyword arguments {sorted(by_position)}")
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names, **by_position)
         self._failures = HookFailures()
@@ -312,15 +314,13 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     called with ``labels=`` (the hook reads them); the loss mask is read from the
     ``loss_func`` partial (or from ``loss_mask=`` given to the model).
 
-    ``group_names`` (with the default metrics; metrics passed in carry their own):
-    every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
-    group of each sample read from its batch's ``group_key`` (``dataset_id``,
-    as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
-    with :meth:`MegatronInstrumentation.record_group_ids`. ``position_buckets``, ``seq_length``: per position too.
+    ``group_names`` (with the default metrics; metrics passed in carry their own): every metric also per group
+    (``accuracy/<name>``, ``loss/<name>``...), each sample's group read from its batch's ``group_key`` (megatron-core's
+    ``BlendedDataset``: ``dataset_id``) or given by :meth:`MegatronInstrumentation.record_group_ids`;
+    ``position_buckets``, ``seq_length`` likewise per bucket of token positions (``loss/pos_0-511``...).
 
-    A model with megatron-core MoE layers also reports routing health (``moe/...``
-    keys, see :mod:`.moe_routing`) in the same sync; ``moe_routing=False`` leaves
-    the routers alone, ``moe_per_layer=True`` adds the per-layer keys.
+    A model with megatron-core MoE layers also reports routing health (``moe/...`` keys, see :mod:`.moe_routing`)
+    in the same sync; ``moe_routing=False`` leaves the routers alone, ``moe_per_layer=True`` adds per-layer keys.
     """
     return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
                                    loss_key=loss_key, group_names=group_names, group_key=group_key,
