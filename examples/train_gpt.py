@@ -312,8 +312,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     dist.barrier()
     # instrument() computes what needs the logits, and the loss, over the blend and per corpus (each sample's
     # dataset_id read as the schedule pulls its batch); with MoE layers routing health too (per layer here: a
-    # small model, and the heat map of `plot` reads them).
-    corpora = {"group_names": list(CORPORA)}
+    # small model, and the heat map of `plot` reads them); and by token position (four buckets over the sequence:
+    # `plot` draws the loss by position, to see whether late positions learn).
+    corpora = {"group_names": list(CORPORA), "position_buckets": min(4, args.seq_length), "seq_length": args.seq_length}
     metrics = instrument(chunks, [Accuracy(vocab_size=args.vocab_size, **corpora),      # <- plugin
                                   TokenStatsMetric(vocab_size=args.vocab_size, **corpora), LossMetric(**corpora),
                                   SampleLosses(dataset_names=list(CORPORA))],  # top samples for incidents

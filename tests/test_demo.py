@@ -68,6 +68,10 @@ def test_demo_trains_and_logs_the_plugin_metrics_then_resumes(tmp_path):
     # float32 [sum, count] reports, the groups' float64 sums of the same per-token losses).
     last = records[-1]
     assert last["total_tokens/easy"] + last["total_tokens/hard"] == last["total_tokens"]
+    # And by token position (four equal buckets over the 32 positions; the first has the unmasked tokens).
+    buckets = ("pos_0-7", "pos_8-15", "pos_16-23", "pos_24-31")
+    assert sum(last[f"total_tokens/{bucket}"] for bucket in buckets) == last["total_tokens"]
+    assert all(f"loss/{bucket}" in last for bucket in buckets)
     assert last["loss"] == pytest.approx((last["loss/easy"] * last["total_tokens/easy"] + last["loss/hard"] *
                                           last["total_tokens/hard"]) / last["total_tokens"], rel=1e-6)
     # A requeued job: continue from the step-4 checkpoint to step 6, no step logged twice.

@@ -12,7 +12,7 @@ from kit.invariance import Call, assert_layout_invariant
 from kit.references import full_vocab_stats
 
 from twinkle_megatron import ParallelContext
-from twinkle_megatron.metric.grpo import CISPOMetric, GRPOMetric, GSPOMetric
+from twinkle_megatron.metric import CISPOMetric, GRPOMetric, GSPOMetric
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 12, 50, 56
 EPSILON, EPSILON_HIGH, TOP_K = 0.2, 0.28, 5

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from . import keys
 from .plot_incidents import mark_incidents
+from .plot_positions import draw_loss_by_position, position_keys
 
 if TYPE_CHECKING:
     from .logging.runlog import RunLog
@@ -245,7 +246,9 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
     except ImportError as error:
         raise MissingMatplotlib("matplotlib is not installed") from error
 
-    panels = [*PANELS, *dataset_panels(log), *moe_panels(log), *(key_panel(key) for key in extra_keys)]
+    by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
+                         draw_loss_by_position)] if position_keys(log) else []
+    panels = [*PANELS, *dataset_panels(log), *by_position, *moe_panels(log), *(key_panel(key) for key in extra_keys)]
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
     skipped = [panel.name for panel in panels if panel not in drawn]
@@ -354,7 +357,7 @@ def _moe_load_title(log: RunLog) -> str:
 
 # ------------------------------------------------------------------ per dataset (group_names)
 
-_GROUPED = re.compile(r"^(loss|accuracy)/([^/]+)$")
+_GROUPED = re.compile(r"^(loss|accuracy)/(?!pos_\d+-\d+$)([^/]+)$")  # position buckets have their own panel
 
 
 def _groups(log: RunLog, statistic: str) -> List[str]:

@@ -8,6 +8,7 @@
 * ``metric_cases``: every metric fed the way its callers feed it, from one synthetic batch;
 * ``ops_cases``: the input families of the vocab-parallel ops and their check against the reference;
 * ``megatron_gpt``: a tiny layout-independent megatron-core ``GPTModel`` and one step through its schedules;
+* ``megatron_packed``: packed (THD) rows through that GPTModel, a block-diagonal stand-in for TE's attention;
 * ``cuda_shim``: megatron-core's CUDA calls on the CPU (also used by ``examples/train_gpt.py`` on CPU).
 * ``readme``: the README's key tables, to check them against the code's key lists.
 

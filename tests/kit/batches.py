@@ -83,3 +83,12 @@ class RankView:
         """This TP rank's columns of full (padded) logits ``[..., V]``: ``[r·V/tp, (r+1)·V/tp)``."""
         width = logits.shape[-1] // self.tp_size
         return logits[..., self.tp_rank * width:(self.tp_rank + 1) * width]
+
+
+def thd_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Indices into a packed row held by CP rank ``cp_rank``: of every sequence (padded lengths from
+    ``cu_seqlens_padded``, each a multiple of ``2·cp``) its chunks ``r`` and ``2·cp−1−r`` of ``2·cp``, sequence
+    after sequence (megatron-core's THD split, Transformer Engine's ``thd_get_partitioned_indices``)."""
+    starts, ends = cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded[1:].tolist()
+    pieces = [start + cp_positions(end - start, cp_size, cp_rank) for start, end in zip(starts, ends)]
+    return torch.cat(pieces)

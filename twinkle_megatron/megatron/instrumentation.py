@@ -84,7 +84,9 @@ class MegatronInstrumentation:
     every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the
     group of each sample read from its batch's ``group_key`` (``dataset_id``,
     as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
-    with :meth:`MegatronInstrumentation.record_group_ids`.
+    with :meth:`MegatronInstrumentation.record_group_ids`. ``position_buckets``,
+    ``seq_length`` (default metrics): likewise per bucket of token positions
+    (``loss/pos_0-511``...; see :mod:`twinkle_megatron.metric.positions`).
 
     Megatron-core MoE layers also report routing health (``moe/...``, see
     :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
@@ -96,9 +98,10 @@ class MegatronInstrumentation:
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
                  moe_routing: bool = True, moe_per_layer: bool = False,
-                 loss_reports: Optional[bool] = None) -> None:
+                 loss_reports: Optional[bool] = None, position_buckets: Any = None,
+                 seq_length: Optional[int] = None) -> None:
         if metrics is None:
-            metrics = default_metrics(vocab_size, ignore_index, group_names)
+            metrics = default_metrics(vocab_size, ignore_index, group_names, position_buckets, seq_length)
         self._failures = HookFailures()
         self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
@@ -120,6 +123,7 @@ class MegatronInstrumentation:
         self.reports = TokenReports(ignore_index, names, loss_key) \
             if (model is None if loss_reports is None else loss_reports) else None
         self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
+        self._by_position = any(getattr(m, "position_buckets", None) is not None for m in user_metrics)
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
         self._group_ids, self._sample_index = None, None  # the microbatch's group ids, sample indices
         self._handles: list = []
@@ -162,7 +166,7 @@ class MegatronInstrumentation:
                       kwargs: dict) -> None:
         try:
             bound = signature.bind_partial(*args, **kwargs).arguments
-            self._current = {"labels": bound.get("labels"), "loss_mask": bound.get("loss_mask")}
+            self._current = {key: bound.get(key) for key in ("labels", "loss_mask", "packed_seq_params")}
             self._calls_in_forward = 0
         except Exception as error:  # noqa: BLE001 - see the module docstring
             self._failures.record("model pre-hook", error)
@@ -180,7 +184,7 @@ class MegatronInstrumentation:
             context = self.context
             stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
                                        self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
-            self._captured = {"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats}
+            self._captured = {**self._current, "stats": stats}
         except Exception as error:  # noqa: BLE001
             self._failures.record("output_layer hook", error)
 
@@ -284,9 +288,10 @@ class MegatronInstrumentation:
             if loss_mask is not None:
                 inputs["completion_mask"] = loss_mask = loss_mask.reshape(labels.shape)
             outputs["token_stats"] = captured["stats"]
-            # Per group, the loss is pooled from the per-token losses GPTModel hands the loss_func (the report's
-            # [sum, count] is one number for the whole microbatch, whatever its samples' groups); the global loss
-            # stays the report's.
+            inputs["packed_seq_params"] = captured.get("packed_seq_params")  # THD: sub-sequences
+            # Per group, position and sample, the loss is pooled from the per-token losses GPTModel hands the
+            # loss_func (the report's [sum, count] is one number for the whole microbatch); the global loss stays
+            # the report's.
             token_losses = output_tensor.detach().reshape(labels.shape) if isinstance(output_tensor, torch.Tensor) \
                 and output_tensor.numel() == labels.numel() else None
             if group_ids is not None:
@@ -296,7 +301,7 @@ class MegatronInstrumentation:
                 entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
             if self._samples is not None:
                 inputs[self._samples.index_key] = sample_index
-            if (group_ids is not None or self._samples is not None) and token_losses is not None:
+            if (group_ids is not None or self._by_position or self._samples is not None) and token_losses is not None:
                 outputs["token_losses"] = token_losses
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ..metric import Accuracy, LogitsMetric, LossMetric, Metric, TokenStatsMetric
 
 
 def default_metrics(vocab_size: Optional[int] = None, ignore_index: int = -100,
-                    group_names: Optional[Sequence[str]] = None) -> list[Metric]:
-    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss (per group too)."""
-    groups = {"group_names": group_names} if group_names else {}
+                    group_names: Optional[Sequence[str]] = None, position_buckets: Any = None,
+                    seq_length: Optional[int] = None) -> list[Metric]:
+    """Token accuracy, label log-prob, entropy, non-finite counts and the per-token loss (per group and position
+    bucket too)."""
+    groups: dict[str, Any] = {"group_names": group_names} if group_names else {}
+    if position_buckets is not None:
+        groups.update(position_buckets=position_buckets, seq_length=seq_length)
     return [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
             TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index, **groups),
             LossMetric(**groups)]

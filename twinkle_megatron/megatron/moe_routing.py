@@ -307,6 +307,8 @@ class MoERoutingHooks:
                  on_error: Callable[[str, BaseException], None]) -> None:
         self.metric = metric
         self.on_error = on_error
+        # More readers of each counted router call: (router, layer_number, routing_map, padding_mask).
+        self.listeners: list[Callable[[torch.nn.Module, int, torch.Tensor, Any], None]] = []
         self._handles: list = []
         self._group_sizes: dict[int, int] = {}
         for router in routers:
@@ -349,6 +351,8 @@ class MoERoutingHooks:
             with torch.no_grad():
                 logits = router_logits(module, hidden.detach())
             self.metric.record_routing(site.layer_number, routing_map, logits, padding_mask)
+            for listener in self.listeners:  # e.g. the rollout's routing (rollout_routing.py)
+                listener(module, site.layer_number, routing_map, padding_mask)
         except Exception as error:  # noqa: BLE001
             self.on_error("MoE router hook", error)
         finally:

@@ -6,7 +6,8 @@ from .collection import MetricCollection
 from .completion_reward import CompletionRewardMetric
 from .dpo import DPOMetric
 from .embedding import EmbeddingMetric
-from .grpo import CISPOMetric, GRPOMetric, GSPOMetric, PPOMetric
+from .grpo import GRPOMetric
+from .grpo_variants import CISPOMetric, GSPOMetric, PPOMetric
 from .keywords import MetricInputWarning
 from .logits_metric import LogitsMetric
 from .logprob_entropy import TokenStatsMetric

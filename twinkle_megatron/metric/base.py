@@ -24,8 +24,6 @@ keep Twinkle out). Twinkle is never a dependency.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Optional, Union
 
@@ -33,10 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
-from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenGroups, check_group_names, token_groups
+from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenSlices, check_group_names, slice_states, token_groups
 from .inputs import arrays_as_tensors, given
 from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
+from .positions import position_buckets as check_position_buckets
 from .sync import SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
+from .twinkle_base import twinkle_metric_base
 
 Number = Union[int, float]
 StateValues = SyncedStates  # what compute() receives
@@ -44,20 +44,7 @@ StateValues = SyncedStates  # what compute() receives
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
-def _twinkle_metric_base() -> type:
-    """``twinkle.metric.Metric`` when Twinkle is installed and importable, else ``object``."""
-    if os.environ.get("TWINKLE_MEGATRON_STANDALONE", "") not in ("", "0"):
-        return object
-    try:
-        if importlib.util.find_spec("twinkle") is None:
-            return object
-        from twinkle.metric.base import Metric as TwinkleMetric
-    except Exception:  # noqa: BLE001 - a broken or unrelated 'twinkle' must not break this package
-        return object
-    return TwinkleMetric
-
-
-_Base = _twinkle_metric_base()
+_Base = twinkle_metric_base()
 
 
 @dataclass(frozen=True)
@@ -104,12 +91,16 @@ class Metric(_Base):
             metric also reports per group, as ``key/<name>`` (see :mod:`.groups`).
         group_key: the ``inputs`` key of the group ids (megatron-core's
             ``BlendedDataset`` names it ``dataset_id``).
+        position_buckets, seq_length: also report per bucket of token positions, ``key/pos_<first>-<last>``
+            (edges, or a number of equal buckets over ``seq_length``; see :mod:`.positions`).
     """
 
     call_keywords: ClassVar[tuple[str, ...]] = ()
     """The ``accumulate`` keywords the metric reads (per-call values): their near misses warn (see :mod:`.keywords`)."""
     output_keys: ClassVar[tuple[str, ...]] = ()
     """The ``outputs`` keys the metric reads, one of which a call needs to add anything (empty: none needed)."""
+    reports_positions: ClassVar[bool] = False
+    """Whether the metric knows each token's position, so that ``position_buckets`` can be given."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -119,7 +110,8 @@ class Metric(_Base):
             cls.accumulate = _without_autograd(accumulate)
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
-                 group_names: Optional[Any] = None, group_key: str = "dataset_id", **kwargs: Any) -> None:
+                 group_names: Optional[Any] = None, group_key: str = "dataset_id",
+                 position_buckets: Optional[Any] = None, seq_length: Optional[int] = None, **kwargs: Any) -> None:
         check_constructor_keywords(self, kwargs, Metric)
         # ``...``: the placeholder Twinkle's documentation writes (``Metric(device_mesh=...)``).
         device_mesh = device_mesh if given(device_mesh) else None
@@ -140,6 +132,11 @@ class Metric(_Base):
         self._states: dict[str, torch.Tensor] = {}
         self.group_names = check_group_names(group_names)
         self.group_key = group_key
+        self.position_buckets = check_position_buckets(position_buckets, seq_length)
+        if self.position_buckets is not None and not self.reports_positions:
+            raise ValueError(f"{type(self).__name__} has no per-token statistics by position; position_buckets "
+                             "is an option of the token-level metrics (Accuracy, TokenStatsMetric, LossMetric, "
+                             "GRPOMetric and its variants)")
         if self.group_names:
             self.add_state(INVALID_GROUP_IDS, "sum")
 
@@ -148,17 +145,26 @@ class Metric(_Base):
     def add_state(self, name: str, reduce: str = "sum", shape: tuple[int, ...] = (), grouped: bool = False) -> None:
         """Declare a state; it starts at the identity of its reduction (0, -inf or +inf).
 
-        ``grouped``: also keep it per group (a ``[G, *shape]`` twin ``name/groups``)
-        when the metric has ``group_names``; :meth:`_add_tokens` and
-        :meth:`_maximum_tokens` fill both.
+        ``grouped``: also keep it per slice of each partition (see :mod:`.groups`):
+        a ``[G, *shape]`` twin ``name/groups`` when the metric has ``group_names``,
+        a ``[B, *shape]`` twin ``name/positions`` when it has ``position_buckets``;
+        :meth:`_add_tokens` and :meth:`_maximum_tokens` fill them all.
         """
         if reduce not in _IDENTITY:
             raise ValueError(f"state {name!r}: reduce must be one of {sorted(_IDENTITY)}, got {reduce!r}")
         self._specs[name] = StateSpec(reduce, tuple(shape))
         self._states[name] = torch.full(tuple(shape), _IDENTITY[reduce], dtype=torch.float64,
                                         device=self._state_device())
-        if grouped and self.group_names:
-            self.add_state(name + GROUPED_SUFFIX, reduce, (len(self.group_names), *shape))
+        if grouped:
+            for suffix, labels in self.partitions():
+                self.add_state(name + suffix, reduce, (len(labels), *shape))
+
+    def partitions(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(twin suffix, slice names) of each partition the metric reports: groups, position buckets."""
+        parts = [(GROUPED_SUFFIX, self.group_names)] if self.group_names else []
+        if self.position_buckets is not None:
+            parts.append(self.position_buckets.partition)
+        return parts
 
     def _state_device(self) -> torch.device:
         return next(iter(self._states.values())).device if self._states else torch.device("cpu")
@@ -196,32 +202,39 @@ class Metric(_Base):
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
 
-    def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups] = None) -> None:
-        """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per group to its twin."""
+    def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
+        """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per slice to its twins."""
         self._add(name, values.sum(dtype=torch.float64))
         self._add_to_groups(name, values, groups)
 
-    def _add_to_groups(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups]) -> None:
-        """Add Σ ``values`` per group to ``name``'s twin only (``name`` itself has its total from elsewhere)."""
-        if groups is not None and name + GROUPED_SUFFIX in self._specs:
-            self._add(name + GROUPED_SUFFIX, groups.sum(values))
+    def _add_to_groups(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices]) -> None:
+        """Add Σ ``values`` per slice to ``name``'s twins only (``name`` itself has its total from elsewhere)."""
+        for part in groups or ():
+            if name + part.suffix in self._specs:
+                self._add(name + part.suffix, part.sum(values))
 
-    def _maximum_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenGroups] = None) -> None:
-        """Fold max ``values`` (per token, -inf where not counted) into ``name``, and per group into its twin."""
+    def _maximum_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
+        """Fold max ``values`` (per token, -inf where not counted) into ``name``, and per slice into its twins."""
         if values.numel():
             self._maximum(name, values.max())
-        if groups is not None and name + GROUPED_SUFFIX in self._specs:
-            self._maximum(name + GROUPED_SUFFIX, groups.max(values))
+        for part in groups or ():
+            if name + part.suffix in self._specs:
+                self._maximum(name + part.suffix, part.max(values))
 
-    def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor) -> Optional[TokenGroups]:
-        """The groups of a microbatch's tokens (see :mod:`.groups`); ``counted`` tokens (the metric's token
+    def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
+                      positions: Optional[torch.Tensor] = None) -> Optional[TokenSlices]:
+        """The partitions of a microbatch's tokens (see :mod:`.groups`): their groups from ``ids``, their
+        position buckets from ``positions`` (shaped like ``like``). ``counted`` tokens (the metric's token
         mask, before non-finite values are left out: the same tokens in every metric fed the same inputs)
-        with an id outside ``[0, G)`` are added to ``invalid_group_ids``. None without ``group_names`` or ids."""
-        if not self.group_names or ids is None:
-            return None
-        groups = token_groups(ids, like, len(self.group_names))
-        self._add(INVALID_GROUP_IDS, (counted * ~groups.valid).sum())  # a mask, or a microbatch's count
-        return groups
+        with an id outside ``[0, G)`` are added to ``invalid_group_ids``. None when no partition applies."""
+        parts = []
+        if self.group_names and ids is not None:
+            groups = token_groups(ids, like, len(self.group_names))
+            self._add(INVALID_GROUP_IDS, (counted * ~groups.valid).sum())  # a mask, or a microbatch's count
+            parts.append(groups)
+        if self.position_buckets is not None and positions is not None:
+            parts.append(self.position_buckets.of(positions.to(like.device), like.shape))
+        return TokenSlices(parts) if parts else None
 
     def group_ids_of(self, batch: Any, output: Any) -> Any:
         """A microbatch's group ids: the ``group_ids`` keyword's entry, else ``inputs[group_key]``."""
@@ -260,28 +273,19 @@ class Metric(_Base):
         raise NotImplementedError
 
     def results(self, states: SyncedStates) -> dict[str, Number]:
-        """:meth:`compute` of the global states, then of each group's (``key/<group name>``, groups with data).
+        """:meth:`compute` of the global states, then of each slice's of each partition (``key/<group name>``,
+        ``key/pos_<first>-<last>``; slices with data).
 
-        A group's view holds each grouped state's slice for the group, and the
-        identity of every other state, so ``compute`` reports just the group's
-        statistics (nothing where the group saw no data).
+        A slice's view holds each twin state's row for the slice, and the
+        identity of every other state, so ``compute`` reports just the slice's
+        statistics (nothing where the slice saw no data).
         """
         check_outputs_read(self)
         results = self.compute(states)
-        for index, group in enumerate(self.group_names):
-            view = {}
-            for name, spec in self._specs.items():
-                if name.endswith(GROUPED_SUFFIX):
-                    continue
-                twin = states.get(name + GROUPED_SUFFIX)
-                if twin is not None:
-                    value = twin[index]
-                    view[name] = float(value) if spec.shape == () else value
-                else:
-                    view[name] = spec.identity if spec.shape == () else torch.full(spec.shape, spec.identity,
-                                                                                     dtype=torch.float64)
-            for key, value in self.compute(SyncedStates(view)).items():
-                results[f"{key}/{group}"] = value
+        for suffix, labels in self.partitions():
+            for index, label in enumerate(labels):
+                for key, value in self.compute(SyncedStates(slice_states(self._specs, states, suffix, index))).items():
+                    results[f"{key}/{label}"] = value
         if self.group_names and states[INVALID_GROUP_IDS] > 0:
             results[INVALID_GROUP_IDS] = int(states[INVALID_GROUP_IDS])
         return results

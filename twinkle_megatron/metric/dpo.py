@@ -60,7 +60,8 @@ class DPOMetric(Metric):
     ``pair_layout``: ``'interleaved'`` (Twinkle's ``[c1, r1, c2, r2, …]`` in
     every microbatch, the default) or ``'halves'`` (TRL's concatenated
     ``[c1, …, cn, r1, …, rn]`` in every microbatch). A microbatch with an odd
-    number of sequences is a ``ValueError``.
+    number of sequences is a ``ValueError``. In a packed microbatch (``cu_seqlens``,
+    :mod:`.packed`) the sequences are its sub-sequences.
 
     ``accumulate(inputs, outputs, *, ref_outputs=None, ref_logps=None, pair_layout=None)``:
     ``outputs['logps']`` and ``ref_outputs['logps']`` (or ``ref_logps``) shaped
@@ -107,7 +108,7 @@ class DPOMetric(Metric):
         batches = sequence_batches(inputs, source, "logps", ("ref_logps",), {}, self.context, self.cp_gathered,
                                    "DPOMetric", extra=_reference_logps, group_ids=self.group_ids_of)
         for index, batch in enumerate(batches):  # all checks before any state changes
-            sequences = batch.tensors["logps"].shape[0]
+            sequences = batch.sequence_count
             if sequences % 2:
                 raise ValueError(f"DPOMetric needs whole (chosen, rejected) pairs ({layout} layout), but "
                                  f"microbatch {index} holds {sequences} sequences (an odd number)")
@@ -124,13 +125,13 @@ class DPOMetric(Metric):
         ref = batch.tensors.get("ref_outputs['logps']")
         ref = to_device(ref, device).to(torch.float64) if ref is not None else None
         finite = torch.isfinite(policy) if ref is None else torch.isfinite(policy) & torch.isfinite(ref)
-        tokens = mask.sum(-1).to(torch.float64)
-        nonfinite = (mask & ~finite).sum(-1).to(torch.float64)
-        sequence_logps = torch.where(mask & finite, policy, zero).sum(-1)
+        tokens = batch.sequence_sum(mask.to(torch.float64))  # per row, or per packed sub-sequence
+        nonfinite = batch.sequence_sum((mask & ~finite).to(torch.float64))
+        sequence_logps = batch.sequence_sum(torch.where(mask & finite, policy, zero))
         chosen, rejected = _split_pairs(sequence_logps, layout)
         pair_tokens, pair_nonfinite = (sum(_split_pairs(t, layout)) for t in (tokens, nonfinite))
         if ref is not None:
-            ref_chosen, ref_rejected = _split_pairs(torch.where(mask & finite, ref, zero).sum(-1), layout)
+            ref_chosen, ref_rejected = _split_pairs(batch.sequence_sum(torch.where(mask & finite, ref, zero)), layout)
             chosen_rewards = self.beta * (chosen - ref_chosen)
             rejected_rewards = self.beta * (rejected - ref_rejected)
             margins = chosen_rewards - rejected_rewards

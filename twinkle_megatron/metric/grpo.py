@@ -47,13 +47,13 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .base import Metric, Number, StateValues
-from .context_parallel import global_positions, sum_over_context_parallel
+from .context_parallel import global_positions
+from .high_kl_records import RECORD_FIELDS, global_top_kl
 from .inputs import call_value, check_same_shape, given, to_device
 from .keywords import check_layout_declared
 from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
+from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
-
-RECORD_FIELDS = ("kl", "ratio", "logp_new", "logp_old", "token_id", "sequence", "position", "call")
 
 
 class GRPOMetric(Metric):
@@ -95,7 +95,11 @@ class GRPOMetric(Metric):
     ``pos`` its position in the whole sequence (CP chunks mapped back). They
     cost one extra all-gather per ``calculate()``, only when enabled.
 
-    ``accumulate(inputs, outputs, old_logps=None, advantages=None)``: see the
+    ``rollout_logps`` (the inference engine's, in the forms of ``old_logps``)
+    adds the train–inference mismatch keys (:mod:`.rollout_mismatch`);
+    ``rollout_threshold`` is its |Δ| threshold.
+
+    ``accumulate(inputs, outputs, old_logps=None, advantages=None, rollout_logps=None)``: see the
     module docstring for the accepted forms; ``outputs`` may carry
     ``entropies`` (shaped like the labels), or ``logits`` (this rank's vocab
     shard, ``vocab_size`` / ``logits_layout`` as for :class:`Accuracy`) or
@@ -112,13 +116,14 @@ class GRPOMetric(Metric):
     (0.5, 2.0)
     """
 
-    call_keywords = ("old_logps", "advantages", "vocab_size", "logits_layout", "group_ids")
+    call_keywords = ("old_logps", "advantages", "rollout_logps", "vocab_size", "logits_layout", "group_ids")
     output_keys = ("logps",)
+    reports_positions = True
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
                  temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: Optional[float] = None,
                  top_k_kl: int = 0, vocab_size: Optional[int] = None, logits_layout: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 rollout_threshold: float = 0.5, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.ignore_index = ignore_index
         self.temperature = float(temperature)
@@ -127,6 +132,8 @@ class GRPOMetric(Metric):
         self.top_k_kl = int(top_k_kl)
         self.vocab_size = check_vocab_size(vocab_size)
         self.logits_layout = logits_layout
+        self.rollout_threshold = check_threshold(rollout_threshold)
+        declare_mismatch_states(self)
         for name in ("tokens", "new_logp_sum", "entropy_tokens", "entropy_sum", "old_tokens", "old_logp_sum",
                      "logp_diff_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_total"):
             self.add_state(name, "sum", grouped=True)
@@ -147,12 +154,14 @@ class GRPOMetric(Metric):
             return
         old_logps = call_value("old_logps", kwargs, outputs)
         advantages = call_value("advantages", kwargs, outputs)
+        per_sequence = {"old_logps": old_logps, "advantages": advantages,
+                        "rollout_logps": call_value("rollout_logps", kwargs, outputs)}
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
         group_ids = call_value("group_ids", kwargs, outputs)
         source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
         batches = sequence_batches(inputs, source, "logps", ("entropies", "logits", "token_stats"),
-                                   {"old_logps": old_logps, "advantages": advantages}, self.context,
+                                   per_sequence, self.context,
                                    self.cp_gathered, type(self).__name__, extra=self._per_token_extras,
                                    group_ids=self.group_ids_of, ignore_index=self.ignore_index)
         for batch in batches:
@@ -164,7 +173,7 @@ class GRPOMetric(Metric):
         for batch in batches:
             if batch.counted_here:
                 self._accumulate_microbatch(batch, vocab_size, layout)
-        self._sequences_per_call.append(sum(batch.tensors["logps"].shape[0] for batch in batches))
+        self._sequences_per_call.append(sum(batch.sequence_count for batch in batches))
 
     @staticmethod
     def _per_token_extras(batch: Any, output: Any, labels: torch.Tensor) -> dict:
@@ -208,7 +217,11 @@ class GRPOMetric(Metric):
         entropy = self._entropy(batch, labels, vocab_size, layout)
         if entropy is not None:
             finite &= torch.isfinite(entropy)
-        old_tokens = advantage_tokens = None
+        old_tokens = advantage_tokens = rollout = None
+        if batch.per_sequence["rollout_logps"] is not None:
+            rollout, misaligned = token_values(batch.per_sequence["rollout_logps"], mask)
+            finite &= torch.isfinite(rollout)
+            self._add("misaligned_arrays", misaligned)
         if old is not None:
             old_tokens, misaligned = token_values(old, mask)
             old_tokens = old_tokens * scale
@@ -221,13 +234,19 @@ class GRPOMetric(Metric):
         self._add("misaligned_arrays", batch.misaligned_arrays)
         valid = mask & finite
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        groups = self._token_groups(batch.group_ids, mask, mask)
+        positions = batch.positions(self.context) if self.position_buckets is not None else None
+        groups = self._token_groups(batch.group_ids, mask, mask, positions)
         self._add("nonfinite_tokens", (mask & ~finite).sum())
         self._add_tokens("tokens", valid, groups)
         self._add_tokens("new_logp_sum", torch.where(valid, new, zero), groups)
         if entropy is not None:
             self._add_tokens("entropy_tokens", valid, groups)
             self._add_tokens("entropy_sum", torch.where(valid, entropy.to(torch.float64), zero), groups)
+        if rollout is not None:  # the log-probs as given: Δ is the engines' difference, not the temperature's
+            sums, magnitude = mismatch_terms(logps, rollout, valid, self.rollout_threshold)
+            for name, values in sums.items():
+                self._add_tokens(name, values, groups)
+            self._maximum_tokens(MISMATCH_MAX, magnitude, groups)
         if old_tokens is None:
             return
 
@@ -242,7 +261,7 @@ class GRPOMetric(Metric):
         self._maximum_tokens("token_kl_max", torch.where(valid, kl, minus_inf), groups)
         self._maximum_tokens("token_ratio_max", torch.where(valid, ratio, minus_inf), groups)
         if advantage_tokens is not None:
-            low, high, total = self._clip_counts(log_ratio, advantage_tokens, valid, batch.complete)
+            low, high, total = self.clip_counts(log_ratio, advantage_tokens, valid, batch)
             # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
             clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
             self._add_tokens("clip_low", low, clip_groups)
@@ -265,11 +284,11 @@ class GRPOMetric(Metric):
                                    layout, self.ignore_index)
         return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
-    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
+                     batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(clipped low, clipped high, out of) per token (``[b, s]``), gated by the advantage sign.
 
-        Subclasses may count per sequence instead (``[b]``): the caller sums either.
+        Subclasses may count per sequence instead (``[sequences]``): the caller sums either.
         """
         ratio = torch.exp(log_ratio)
         low = valid & (ratio < 1 - self.epsilon) & (advantages < 0)
@@ -309,36 +328,10 @@ class GRPOMetric(Metric):
             records += [("token", dp_rank, dict(zip(RECORD_FIELDS, row))) for row in rows]
         return records
 
-    def _global_top_kl(self, records: list) -> list[dict[str, Number]]:
-        """The top-K of all ranks' ``records``, with sequence indices in the global batch."""
-        counts: dict[tuple[int, int], int] = {}
-        tokens = []
-        for record in records:
-            if record[0] == "sequences":
-                _, call, dp_rank, count = record
-                counts[(call, dp_rank)] = max(count, counts.get((call, dp_rank), 0))  # CP ranks agree
-            else:
-                tokens.append(record[1:])
-        offsets, running = {}, 0
-        for call, dp_rank in sorted(counts):
-            offsets[(call, dp_rank)] = running
-            running += counts[(call, dp_rank)]
-        results = [{
-            "gsi": offsets.get((int(fields["call"]), dp_rank), 0) + int(fields["sequence"]),
-            "pos": int(fields["position"]),
-            "token_id": int(fields["token_id"]),
-            "kl": fields["kl"],
-            "ratio": fields["ratio"],
-            "logp_new": fields["logp_new"],
-            "logp_old": fields["logp_old"],
-        } for dp_rank, fields in tokens]
-        results.sort(key=lambda r: (-r["kl"], r["gsi"], r["pos"]))
-        return results[:self.top_k_kl]
-
     # --------------------------------------------------------------- results
 
     def compute(self, states: StateValues) -> dict[str, Number]:
-        results: dict[str, Any] = {}
+        results: dict[str, Any] = mismatch_results(states)
         tokens = states["tokens"]
         if tokens > 0:
             mean_new = states["new_logp_sum"] / tokens
@@ -363,7 +356,7 @@ class GRPOMetric(Metric):
         if states["misaligned_arrays"] > 0:
             results["train/misaligned_arrays"] = int(states["misaligned_arrays"])
         if self.top_k_kl > 0 and tokens > 0:
-            records = self._global_top_kl(states.records)
+            records = global_top_kl(states.records, self.top_k_kl)
             if records:
                 results["_high_kl_records"] = records
         return results
@@ -378,7 +371,7 @@ class GRPOMetric(Metric):
         if self.top_k_kl <= 0:
             return {}
         sequences = sum({(r[1], r[2]): r[3] for r in states.records if r[0] == "sequences"}.values())
-        return {"top_kl": self._global_top_kl(states.records), "sequences": sequences}
+        return {"top_kl": global_top_kl(states.records, self.top_k_kl), "sequences": sequences}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue under any layout: the saved top-K and sequence count become one earlier call of
@@ -396,52 +389,3 @@ class GRPOMetric(Metric):
             rows = [[float(record[fields[name]]) if name in fields else 0.0 for name in RECORD_FIELDS]
                     for record in records]
             self._top_kl = torch.tensor(rows, dtype=torch.float64, device=self._state_device())
-
-
-class GSPOMetric(GRPOMetric):
-    r"""Twinkle's ``GSPOMetric``: :class:`GRPOMetric` with the clip rate on whole sequences.
-
-    For each sequence with counted tokens (``N_s > 0``), the geometric-mean ratio
-    and the mean advantage
-
-        ρ_s = exp(Σ_t d_t / N_s),      Ā_s = Σ_t A_t / N_s
-
-    give ``clip_ratio_low = #{ρ_s < 1 − ε, Ā_s < 0} / #sequences`` and
-    ``clip_ratio_high = #{ρ_s > 1 + ε_high, Ā_s > 0} / #sequences``, counted over
-    microbatches and DP ranks. Under context parallelism the three per-sequence
-    sums are first added over the CP group (one all-reduce per microbatch, see
-    the module docstring). The other keys are :class:`GRPOMetric`'s.
-    """
-
-    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        weights = valid.to(torch.float64)
-        partial = torch.stack([(log_ratio * weights).sum(-1), weights.sum(-1), (advantages * weights).sum(-1)], -1)
-        log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context, complete).unbind(-1)
-        ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1.0))
-        counted = tokens > 0
-        low = counted & (ratio < 1 - self.epsilon) & (advantage_sum < 0)
-        high = counted & (ratio > 1 + self.epsilon_high) & (advantage_sum > 0)
-        once = 1.0 if complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each sequence
-        return low * once, high * once, counted * once
-
-
-class CISPOMetric(GRPOMetric):
-    r"""Twinkle's ``CISPOMetric``: :class:`GRPOMetric` with the clip rate not gated by the advantage.
-
-        clip_ratio_low = Σ [r < 1 − ε] / N_clip,     clip_ratio_high = Σ [r > 1 + ε_high] / N_clip
-
-    over the tokens that have old log-probs and advantages (as in Twinkle, the
-    clip rate is only reported when advantages are passed).
-    """
-
-    def _clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ratio = torch.exp(log_ratio)
-        low = valid & (ratio < 1 - self.epsilon)
-        high = valid & (ratio > 1 + self.epsilon_high)
-        return low, high, valid
-
-
-class PPOMetric(GRPOMetric):
-    """Twinkle's ``PPOMetric``: the policy side of PPO, with :class:`GRPOMetric`'s token-level keys."""

@@ -9,6 +9,7 @@ from .groups import TokenGroups
 from .inputs import call_value, microbatches, token_mask
 from .keywords import check_layout_declared
 from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
+from .positions import only_real, positions_where_needed
 
 
 class LogitsMetric(Metric):
@@ -18,13 +19,15 @@ class LogitsMetric(Metric):
     ``[s, b, V/tp]``) or ``token_stats`` precomputed by a hook. Tokens count when
     ``labels != ignore_index`` and ``completion_mask``; of those, tokens with a
     non-finite logit are counted in ``nonfinite_tokens`` and labels outside
-    ``[0, vocab_size)`` in ``invalid_labels`` instead of being scored. With
+    ``[0, vocab_size)`` in ``invalid_labels`` instead of being scored; in a
+    packed microbatch (``cu_seqlens``, see :mod:`.packed`) padding never counts. With
     ``strict=True`` (default) ``calculate()`` raises ``ValueError`` on every rank
     when any rank saw an invalid label (the count is global, so all ranks agree).
     """
 
     call_keywords = ("vocab_size", "logits_layout", "group_ids")
     output_keys = ("logits", "token_stats")
+    reports_positions = True
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
                  vocab_size: Optional[int] = None, logits_layout: Optional[str] = None, strict: bool = True,
@@ -39,7 +42,8 @@ class LogitsMetric(Metric):
 
     def _token_batches(self, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
                        ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenGroups]]]:
-        """(aligned microbatch, classes, groups) for each microbatch that has logits or statistics and counts here.
+        """(aligned microbatch, classes, partitions) for each microbatch that has logits or statistics and counts
+        here (partitions: groups and position buckets, see :meth:`Metric._token_groups`).
 
         ``vocab_size``, ``logits_layout`` and ``group_ids`` are per-call values
         (keyword, then outputs, then the constructor's).
@@ -58,11 +62,13 @@ class LogitsMetric(Metric):
                                              self.cp_gathered, self.group_ids_of(batch, output))
             if not aligned.counted_here:
                 continue
-            mask = token_mask(aligned.labels, aligned.completion_mask, self.ignore_index)
+            positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.complete,
+                                                     self.position_buckets)
+            mask = only_real(token_mask(aligned.labels, aligned.completion_mask, self.ignore_index), real)
             classes = classify_tokens(aligned.stats, mask)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
-            yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask)
+            yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask, positions)
 
     def _token_problems(self, states: StateValues) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

@@ -94,6 +94,7 @@ class TokenBatch(NamedTuple):
     stats: TokenStats
     counted_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
     group_ids: Any = None  # the microbatch's group ids, per token ones matched under CP like the labels
+    complete: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
 
 
 def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
@@ -125,7 +126,7 @@ def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], 
         if tuple(stats.argmax.shape) != tuple(labels.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)} but token_stats has shape "
                              f"{tuple(stats.argmax.shape)}")
-        return TokenBatch(labels, completion_mask, stats, True, group_ids)
+        return TokenBatch(labels, completion_mask, stats, True, group_ids, bool(cp_gathered))
     logits = output["logits"]
     tensors = {"logits": (logits, logits_sequence_dim(logits, labels, layout)), "labels": (labels, labels.dim() - 1)}
     if completion_mask is not None:
@@ -141,10 +142,10 @@ def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], 
     labels, completion_mask = aligned.tensors["labels"], aligned.tensors.get("completion_mask")
     group_ids = aligned.tensors["group_ids"] if per_token_ids else group_ids
     if not aligned.counted_here(context):
-        return TokenBatch(labels, completion_mask, None, False, group_ids)
+        return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.complete)
     stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
                                cache_key=id(logits))
-    return TokenBatch(labels, completion_mask, stats, True, group_ids)
+    return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.complete)
 
 
 def logits_sequence_dim(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str]) -> int:

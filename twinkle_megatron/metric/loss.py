@@ -9,6 +9,7 @@ import torch
 from .base import Metric, Number, StateValues
 from .context_parallel import align_to_cp_rank, local_sequence_length
 from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask
+from .positions import only_real, positions_where_needed
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -39,7 +40,9 @@ class LossMetric(Metric):
     ``loss`` or, next to a microbatch's ``[sum, count]`` report, as
     ``outputs['token_losses']`` (what ``instrument()`` passes: GPTModel's
     per-token losses), which feed only the per-group ``loss/<group>`` so that
-    ``loss`` stays the report's.
+    ``loss`` stays the report's. Per position bucket (``position_buckets``,
+    ``loss/pos_<first>-<last>``) likewise, from per-token losses only. In a
+    packed microbatch (``cu_seqlens``) per-token losses of padding never count.
 
     A non-finite loss value (or token loss) is left out and counted in
     ``nonfinite_losses``; ``grad_norm`` is the latest finite value passed (max
@@ -65,6 +68,7 @@ class LossMetric(Metric):
 
     call_keywords = ("loss", "loss_reduction", "num_tokens", "grad_norm", "group_ids")
     output_keys = ("loss",)
+    reports_positions = True
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, loss_reduction: str = "mean",
                  ignore_index: int = -100, **kwargs: Any) -> None:
@@ -88,21 +92,22 @@ class LossMetric(Metric):
         reduction = _check_reduction(call_value("loss_reduction", kwargs, outputs, self.loss_reduction))
         num_tokens = call_value("num_tokens", kwargs, outputs)
         group_ids = call_value("group_ids", kwargs, outputs)
-        token_losses = outputs.get("token_losses") if self.group_names and hasattr(outputs, "get") else None
+        sliced = self.group_names or self.position_buckets is not None
+        token_losses = outputs.get("token_losses") if sliced and hasattr(outputs, "get") else None
         given = {"loss": loss}
         given.update({} if num_tokens is None else {"num_tokens": num_tokens})
         given.update({} if group_ids is None else {"group_ids": group_ids})
         given.update({} if token_losses is None else {"token_losses": token_losses})
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
             loss = self._as_state("loss_sum", output["loss"])
-            ids = self.group_ids_of(batch, output)
+            ids, positions = self.group_ids_of(batch, output), None  # a microbatch's value has no positions
             if loss.numel() == 1:
                 loss = loss.reshape(())
                 valid = torch.isfinite(loss)
                 weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
                           if reduction == "sum" else torch.ones_like(loss))
                 nonfinite = ~valid
-                if output.get("token_losses") is not None and ids is not None:
+                if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
                     self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)))
                     self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)))
                     self._add("nonfinite_losses", nonfinite.sum())
@@ -115,28 +120,29 @@ class LossMetric(Metric):
                 grouped = self.group_names and ids is not None
                 counted = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
             else:
-                loss, valid, nonfinite, ids = self._token_losses(batch, loss, ids)
+                loss, valid, nonfinite, ids, positions = self._token_losses(batch, loss, ids)
                 if valid is None:
                     continue
                 weight = valid.to(torch.float64)
                 counted = valid | nonfinite
-            groups = self._token_groups(ids, valid, counted)
+            groups = self._token_groups(ids, valid, counted, positions)
             self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)), groups)
             self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)), groups)
             self._add("nonfinite_losses", nonfinite.sum())
 
     def _add_group_token_losses(self, batch: Any, token_losses: Any, ids: Any) -> None:
         """Per-token losses next to a microbatch's report: the per-group sums only."""
-        losses, valid, nonfinite, ids = self._token_losses(batch, self._as_state("loss_sum", token_losses), ids)
+        losses, valid, nonfinite, ids, positions = self._token_losses(batch, self._as_state("loss_sum", token_losses),
+                                                                      ids)
         if valid is None:
             return
-        groups = self._token_groups(ids, valid, valid | nonfinite)
+        groups = self._token_groups(ids, valid, valid | nonfinite, positions)
         self._add_to_groups("loss_sum", torch.where(valid, losses, torch.zeros_like(losses)), groups)
         self._add_to_groups("weight", valid.to(torch.float64), groups)
 
     def _token_losses(self, batch: Any, loss: torch.Tensor, ids: Any) -> tuple:
         """Per-token losses matched under CP: (losses, counted finite tokens, counted non-finite tokens, group
-        ids); ``valid`` None off CP rank 0 for losses complete on every CP rank."""
+        ids, positions); ``valid`` None off CP rank 0 for losses complete on every CP rank."""
         labels = batch.get("labels")
         if labels is None:
             raise ValueError("per-token losses need inputs['labels'] to mask them")
@@ -151,10 +157,12 @@ class LossMetric(Metric):
         ids = aligned.tensors["group_ids"] if per_token_ids else ids
         check_same_shape("loss", loss, "labels", labels)
         if not aligned.counted_here(self.context):
-            return loss, None, None, ids
+            return loss, None, None, ids, None
+        positions, real = positions_where_needed(batch, labels, self.context, aligned.complete, self.position_buckets)
         mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index), loss.device)
+        mask = only_real(mask, real)
         valid = mask & torch.isfinite(loss)
-        return loss, valid, mask & ~valid, ids
+        return loss, valid, mask & ~valid, ids, positions
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:

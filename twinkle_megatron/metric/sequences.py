@@ -3,7 +3,11 @@
 The one place for what sequence-level metrics (GRPO/GSPO/CISPO, PPO, DPO)
 share: turning ``old_logps`` / ``advantages`` given per sequence into per-token
 device tensors, and splitting a whole call's per-sequence values by microbatch.
-Context parallelism is in :mod:`.context_parallel`.
+Context parallelism is in :mod:`.context_parallel`, packed sequences (THD,
+``cu_seqlens``) in :mod:`.packed`: a packed microbatch is one row of tokens
+whose sub-sequences are the sequences (per-sequence sums by
+:meth:`SequenceBatch.sequence_sum`, padding out of :meth:`SequenceBatch.token_mask`);
+its per-sequence values must be given per token (tensors shaped like its logps).
 """
 
 from __future__ import annotations
@@ -14,8 +18,15 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 import torch
 
 from ..parallel import ParallelContext
-from .context_parallel import SequenceTensors, align_to_cp_rank, local_sequence_length, this_rank_chunks
+from .context_parallel import (
+    SequenceTensors,
+    align_to_cp_rank,
+    global_positions,
+    local_sequence_length,
+    this_rank_chunks,
+)
 from .inputs import check_same_shape, microbatches, to_device, token_mask
+from .packed import PackedSequences, packed_cu_seqlens, packed_sequences
 
 
 def split_per_microbatch(values: Any, name: str, shapes: Sequence[tuple[int, ...]],
@@ -145,13 +156,33 @@ class SequenceBatch(NamedTuple):
     # Sequences whose ragged array was matched to whole gathered labels before the cut to this CP rank's
     # chunks (see sequence_batches) and did not have one value per counted token: counted on CP rank 0.
     misaligned_arrays: Any = 0.0
+    packed: Optional[PackedSequences] = None  # a packed row's sub-sequences (None: each row is a sequence)
 
     def token_mask(self, anchor: str, ignore_index: int) -> torch.Tensor:
-        """The tokens that count (``labels != ignore_index`` and ``completion_mask``), on the anchor's device."""
+        """The tokens that count (``labels != ignore_index`` and ``completion_mask``, not packing's padding),
+        on the anchor's device."""
         device = self.tensors[anchor].device
         completion_mask = self.tensors.get("completion_mask")
-        return token_mask(to_device(self.tensors["labels"], device),
+        mask = token_mask(to_device(self.tensors["labels"], device),
                           None if completion_mask is None else to_device(completion_mask, device), ignore_index)
+        return mask if self.packed is None else mask & self.packed.real.to(device).reshape(mask.shape)
+
+    @property
+    def sequence_count(self) -> int:
+        """The number of sequences: rows, or a packed row's sub-sequences (a shape: no host sync)."""
+        return self.packed.count if self.packed is not None else self.tensors["labels"].shape[0]
+
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``[sequences]``: Σ of per-token ``values`` (``[rows, length]``) over each sequence."""
+        return self.packed.sum(values) if self.packed is not None else values.sum(-1)
+
+    def positions(self, context: ParallelContext) -> torch.Tensor:
+        """Each token's position in its own sequence (CP chunks mapped back, packed sub-sequences from 0),
+        broadcasting to the tokens' shape."""
+        labels = self.tensors["labels"]
+        if self.packed is not None:
+            return self.packed.positions.reshape(labels.shape)
+        return global_positions(labels.shape[-1], context, self.complete, labels.device)
 
 
 ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], SequenceTensors]
@@ -180,15 +211,22 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     with them.
     """
     pairs = microbatches(inputs, outputs, (anchor, *output_keys, "group_ids"))
-    aligned, ids_of, whole_labels = [], [], []
+    aligned, ids_of, whole_labels, packed_of = [], [], [], []
     for batch, output in pairs:
         labels = labels_2d(batch, metric)
+        cu_seqlens = packed_cu_seqlens(batch)
+        if cu_seqlens is not None and labels.shape[0] != 1:
+            raise ValueError(f"{metric}: a packed microbatch (cu_seqlens) holds one row of tokens, but its labels "
+                             f"have shape {tuple(labels.shape)}")
         tensors: SequenceTensors = {anchor: (as_rows(output[anchor]), 1), "labels": (labels, 1)}
         if batch.get("completion_mask") is not None:
             tensors["completion_mask"] = (as_rows(batch["completion_mask"]), 1)
         if extra is not None:
             tensors.update(extra(batch, output, labels))
         ids = group_ids(batch, output) if group_ids is not None else None
+        if ids is not None and cu_seqlens is not None:
+            raise ValueError(f"{metric}: group ids of packed sub-sequences are not supported (one group per packed "
+                             "row would be applied to all of its sequences); pass unpacked rows for per-group keys")
         per_token_ids = isinstance(ids, torch.Tensor) and ids.dim() == 2
         if per_token_ids:
             tensors["group_ids"] = (ids, 1)
@@ -200,6 +238,11 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
             if name != "labels" and tensor.dim() == 2:
                 check_same_shape("labels", labels, name, tensor)
         aligned.append(cp)
+        if cu_seqlens is not None and whole_labels[-1] is not None:
+            raise ValueError(f"{metric}: a packed microbatch's per-token tensors must all be this CP rank's pieces "
+                             "of its sequences or all whole (gathered over CP); some are each")
+        packed_of.append(None if cu_seqlens is None else packed_sequences(
+            cu_seqlens, labels.shape[-1], context, cp.complete, cp.tensors[anchor].device))
     shapes = [tuple(cp.tensors[anchor].shape) for cp in aligned]
     # Ragged arrays can be laid onto whole sequences: labels that are whole here, or were before the cut.
     whole_sequences = all(cp.complete or whole is not None for cp, whole in zip(aligned, whole_labels))
@@ -219,6 +262,6 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     for index, ((_, output), cp) in enumerate(zip(pairs, aligned)):
         batches.append(SequenceBatch(cp.tensors, output, {name: piece[index] for name, piece in pieces.items()},
                                      first_sequence, cp.complete, cp.counted_here(context), ids_of[index],
-                                     misaligned[index]))
-        first_sequence += shapes[index][0]
+                                     misaligned[index], packed_of[index]))
+        first_sequence += batches[-1].sequence_count
     return batches

@@ -1,0 +1,155 @@
+"""The train–inference mismatch (``rollout_logps``): float64 reference, identity, forms, layouts, one sync.
+
+For GRPO, GSPO, CISPO and PPO: with ``Δ = logπ_train − logπ_rollout`` over the counted tokens, the keys
+equal plain float64 torch on the global batch under DP, CP×DP and TP×PP×DP layouts (rollout log-probs as
+Twinkle's ragged lists, as tensors, per microbatch); a rollout identical to the trainer gives exactly
+1.0 / 0.0 / 0.0 / 0.0; per position bucket too; the collective counts are those without a rollout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kit.batches import RankView, split_microbatches
+from kit.distributed import Layout
+from kit.invariance import Call, assert_layout_invariant, assert_matches, run_calls
+
+from twinkle_megatron import CISPOMetric, GRPOMetric, GSPOMetric, MetricCollection, PPOMetric
+
+ROWS, SEQ, THRESHOLD = 8, 8, 0.3
+KEYS = ("train/token_mult_prob_error", "train/rollout_kl", "train/rollout_logp_diff_max",
+        "train/rollout_mismatch_ratio")
+METRICS = (GRPOMetric, GSPOMetric, CISPOMetric, PPOMetric)
+EDGES = [0, 3, 8]
+
+
+def data() -> dict:
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 50, (ROWS, SEQ), generator=g)
+    labels[:, :2] = -100  # the prompt
+    for row in range(ROWS):
+        labels[row, SEQ - row // 2:] = -100  # right padding
+    logps = -torch.rand(ROWS, SEQ, generator=g, dtype=torch.float64) * 3
+    rollout = logps + 0.4 * torch.randn(ROWS, SEQ, generator=g, dtype=torch.float64)
+    return {"labels": labels, "logps": logps, "rollout": rollout,
+            "old": logps + 0.1 * torch.randn(ROWS, SEQ, generator=g, dtype=torch.float64),
+            "advantages": torch.randn(ROWS, generator=g, dtype=torch.float64)}
+
+
+def reference(d: dict, rollout: torch.Tensor) -> dict:
+    """The four keys in float64, globally and per position bucket."""
+    counted = d["labels"] != -100
+    positions = torch.arange(SEQ).expand(ROWS, SEQ)
+
+    def keys(mask: torch.Tensor, suffix: str = "") -> dict:
+        delta = (d["logps"] - rollout)[mask]
+        values = (delta.abs().exp().mean(), (delta.exp() - delta - 1).mean(), delta.abs().max(),
+                  (delta.abs() > THRESHOLD).double().mean())
+        return {key + suffix: float(value) for key, value in zip(KEYS, values)}
+
+    results = keys(counted)
+    for first, end in zip(EDGES[:-1], EDGES[1:]):
+        results.update(keys(counted & (positions >= first) & (positions < end), f"/pos_{first}-{end - 1}"))
+    return results
+
+
+def ragged(values: torch.Tensor, labels: torch.Tensor) -> list:
+    """Twinkle's form: per sequence, the values of its counted tokens in order."""
+    return [row[mask].tolist() for row, mask in zip(values, labels != -100)]
+
+
+def feed(metric, d: dict, view: RankView, variant: tuple) -> list[Call]:
+    """``variant``: (microbatches, form of rollout_logps: 'tensor' | 'list' | 'ragged')."""
+    if not view.last_stage:
+        return []
+    splits, form = variant
+    labels, logps = view.tokens(d["labels"]), view.tokens(d["logps"])
+    rollout, old = view.tokens(d["rollout"]), view.tokens(d["old"])
+    split = lambda tensor: split_microbatches(tensor, splits)  # noqa: E731
+    given = {"tensor": rollout, "list": split(rollout), "ragged": ragged(rollout, labels)}[form]
+    inputs = [{"labels": mb} for mb in split(labels)]
+    return [Call(inputs, {"logps": split(logps)}, {"old_logps": split(old), "advantages": view.rows(d["advantages"]),
+                                                   "rollout_logps": given})]
+
+
+def only_mismatch(results: dict) -> dict:
+    return {key: value for key, value in results.items() if key.startswith(KEYS)}
+
+
+def test_keys_equal_the_float64_reference_and_the_other_keys_are_unchanged():
+    d = data()
+    want = reference(d, d["rollout"])
+    for cls in METRICS:
+        for form in ("tensor", "list", "ragged"):
+            metric = cls(rollout_threshold=THRESHOLD, position_buckets=EDGES)
+            run_calls(metric, feed(metric, d, RankView(), (2, form)))
+            result = metric.calculate()
+            assert_matches(only_mismatch(result), want, rel=1e-12, where=f"{cls.__name__} {form}")
+            without = cls(position_buckets=EDGES)
+            calls = feed(without, d, RankView(), (2, form))
+            run_calls(without, [Call(c.inputs, c.outputs, {k: v for k, v in c.keywords.items()
+                                                          if k != "rollout_logps"}) for c in calls])
+            assert {k: v for k, v in result.items() if not k.startswith(KEYS)} == without.calculate()
+
+
+def test_a_rollout_identical_to_the_trainer_gives_exactly_one_and_zeros():
+    d = data()
+    for cls in METRICS:
+        metric = cls()
+        metric.accumulate({"labels": d["labels"]}, {"logps": d["logps"]}, rollout_logps=ragged(d["logps"], d["labels"]))
+        result = metric.calculate()
+        assert [result[key] for key in KEYS] == [1.0, 0.0, 0.0, 0.0]
+
+
+LAYOUTS = [Layout(dp=2), Layout(cp=2, dp=2), Layout(tp=2, pp=2, dp=2)]
+
+
+def _collectives(cls: type) -> callable:
+    """GSPO's one CP sum of the per-sequence partials per microbatch; the rollout adds nothing."""
+    return lambda layout, variant: {"all_reduce": variant[0]} if cls is GSPOMetric and layout.cp > 1 else {}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("cls", METRICS, ids=lambda cls: cls.__name__)
+def test_keys_are_layout_invariant_in_the_same_sync(layout, cls):
+    d = data()
+    forms = ("tensor", "list") if layout.cp > 1 else ("tensor", "list", "ragged")
+    variants = [(splits, form) for splits in (1, 2) for form in forms]
+    runs = assert_layout_invariant(lambda variant: cls(rollout_threshold=THRESHOLD, position_buckets=EDGES), d,
+                                   [layout], feed=feed, variants=variants,
+                                   rel=1e-9, accumulate_collectives=_collectives(cls),
+                                   calculate_collectives={"all_reduce": 2})
+    want = reference(d, d["rollout"])
+    for rank_runs in runs[layout]:
+        for run in rank_runs:
+            assert_matches(only_mismatch(run.result), want, rel=1e-9)
+
+
+def _identical(metric, d: dict, view: RankView, variant) -> list[Call]:
+    return feed(metric, {**d, "rollout": d["logps"]}, view, variant)
+
+
+def test_identity_is_exact_under_context_parallelism_in_a_collection():
+    d = data()
+    assert_layout_invariant(lambda variant: MetricCollection([GRPOMetric()]), d, [Layout(cp=2, dp=2)],
+                            feed=_identical, variants=[(2, "tensor")],
+                            expected=lambda *_: {**_single(d), **dict(zip(KEYS, (1.0, 0.0, 0.0, 0.0)))},
+                            rel=1e-9, rel_for=dict.fromkeys(KEYS, 0.0))
+
+
+def _single(d: dict) -> dict:
+    metric = GRPOMetric()
+    run_calls(metric, _identical(metric, d, RankView(), (2, "tensor")))
+    return metric.calculate()
+
+
+def test_bad_threshold_and_misaligned_rollout_arrays():
+    for bad in (0, -1.0, "1", True):
+        with pytest.raises(ValueError, match="rollout_threshold"):
+            GRPOMetric(rollout_threshold=bad)
+    metric = GRPOMetric()
+    labels = torch.tensor([[1, 2, 3]])
+    metric.accumulate({"labels": labels}, {"logps": torch.zeros(1, 3)}, rollout_logps=[[0.0, 0.0]])
+    assert metric.calculate()["train/misaligned_arrays"] == 1
+    with pytest.raises(ValueError, match="rollout_logps"):
+        metric.accumulate({"labels": labels}, {"logps": torch.zeros(1, 3)}, rollout_logps=torch.zeros(2, 3))
