@@ -223,7 +223,7 @@ def test_packed_rows_are_refused_when_malformed_or_concatenated():
                           {"logits": logits})
     with pytest.raises(ValueError, match="cannot be concatenated"):
         metric.accumulate([{"labels": torch.zeros(1, 2, dtype=torch.long), "cu_seqlens": torch.tensor([0, 2])}] * 2,
-                          {"logits": torch.zeros(2, 2, 3)})
+                          {"logits": torch.zeros(2, 2, 3)}, logits_layout="bsv")
 
 
 # ------------------------------------------------------------------ through instrument() and GPTModel
