@@ -9,7 +9,7 @@ expert ``r·E/ep + j``), so any TP×PP×EP×DP model is the single-process model
 Two things megatron-core 0.16.1 needs here, each a workaround for a CPU-only,
 TE-less install, not a change of what Megatron computes:
 
-- ``allow_router_without_te()``: ``RouterGatingLinearFunction.forward`` tests
+- ``allow_router_without_te()`` (shipped in ``twinkle_megatron.testing``): ``RouterGatingLinearFunction.forward`` tests
   ``te_general_gemm is not None``, but ``moe_utils`` defines that name only when
   Transformer Engine imports; without TE every router call raises ``NameError``.
   Defining it as ``None`` (what the check means) selects megatron-core's own
@@ -45,6 +45,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
+from twinkle_megatron.testing.router_without_te import allow_router_without_te
+
 from kit.megatron_gpt import (
     GPTSpec,
     SequenceParallelLayerNorm,
@@ -67,14 +69,6 @@ class MoESpec:
     topk: int = 2
     aux_loss_coeff: float = 1e-2  # Megatron computes and tracks load_balancing_loss
     z_loss_coeff: Optional[float] = 1e-3  # ... and z_loss
-
-
-def allow_router_without_te() -> None:
-    """Define ``moe_utils.te_general_gemm = None`` when megatron-core left it undefined (no TE; see above)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager
