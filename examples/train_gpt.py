@@ -80,8 +80,19 @@ if __name__ == "__main__":
     for _stop_signal in STOP_SIGNALS:
         signal.signal(_stop_signal, _record_stop_signal)
 
-import torch  # noqa: E402  (after the signal handlers, on purpose)
-import torch.distributed as dist  # noqa: E402
+
+def _missing(package: str, error: ImportError) -> None:
+    """A missing environment in one line (the job runs with the submitting shell's), exit status 2."""
+    print(f"train_gpt.py: error: {sys.executable} cannot import {package} ({error}); activate the environment "
+          "that has twinkle-megatron and megatron-core installed (make setup, or pip install -e .)", file=sys.stderr)
+    sys.exit(2)
+
+
+try:  # after the signal handlers, on purpose
+    import torch
+    import torch.distributed as dist
+except ImportError as _error:
+    _missing("torch", _error)
 
 
 # ------------------------------------------------------------------ Megatron-LM's forward_step
@@ -485,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="checkpoint every N steps, a multiple of --log-interval (0: never; a stop signal "
                                "always saves)")
     logging_.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
+    parser.add_argument("--check-flags", action="store_true",
+                        help="check the flags against the layout and the world (torchrun's WORLD_SIZE when set) "
+                             "and exit: 0 when they work, 2 with the problems; --device auto counts as cuda (the "
+                             "GPU nodes', not this machine's). What DRY_RUN=1 of examples/slurm/train.sbatch runs")
     return parser
 
 
@@ -494,7 +509,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     under_torchrun = "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else None
-    args.device = _device(args.device)
+    args.device = "cuda" if args.check_flags and args.device == "auto" else _device(args.device)
     if args.dp is None and not under_torchrun:
         args.dp = 2
     problems = flag_problems(args, world_size)
@@ -547,7 +562,7 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
         problems.append(f"--lr must be a positive number, got {args.lr}")
     if not args.run_name or os.sep in args.run_name:
         problems.append(f"--run-name must be a non-empty name without {os.sep!r}, got {args.run_name!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not getattr(args, "check_flags", False):
         problems.append("--device cuda, but CUDA is not available")
     if problems:
         return problems  # the divisibility checks below need positive sizes
@@ -677,6 +692,15 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.megatron_warnings:
         quiet_megatron()
+    for package in ("megatron.core", "twinkle_megatron"):
+        try:
+            __import__(package)
+        except ImportError as error:
+            _missing(package, error)
+    if args.check_flags:
+        print(f"flags OK: TP{args.tp} × PP{args.pp}{f' × VPP{args.vpp}' if args.vpp else ''} × CP{args.cp} × "
+              f"DP{args.dp}, {args.layers} layers, {args.heads} heads on {args.device}")
+        return
     if "RANK" in os.environ:  # torchrun: one process per GPU (or CPU rank)
         _torchrun_rank(args)
     else:

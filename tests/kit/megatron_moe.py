@@ -45,8 +45,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
-from twinkle_megatron.testing.router_without_te import allow_router_without_te
-
 from kit.megatron_gpt import (
     GPTSpec,
     SequenceParallelLayerNorm,
@@ -56,6 +54,7 @@ from kit.megatron_gpt import (
     make_config,
     tp_shard,
 )
+from twinkle_megatron.testing.router_without_te import allow_router_without_te
 
 __all__ = ["MoESpec", "allow_router_without_te", "build_moe_model", "init_parallel", "moe_config", "moe_layer_spec",
            "recompute_rng_on_cpu"]
