@@ -10,7 +10,7 @@
 * ``megatron_gpt``: a tiny layout-independent megatron-core ``GPTModel`` and one step through its schedules;
 * ``cuda_shim``: megatron-core's CUDA calls on the CPU (re-exported from ``twinkle_megatron.testing.cuda_shim``,
   which the examples import).
-* ``readme``: the README's key tables, to check them against the code's key lists.
+* ``readme``: the key tables of the README and docs/, to check them against the code's key lists.
 
 Tests import the modules (``from kit.batches import RankView``); this file imports nothing, so that a script can
 take ``kit.cuda_shim`` alone.
