@@ -112,3 +112,15 @@ def test_the_python_block_runs(session, tmp_path):
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{session.name} ran past {TIME_LIMIT_S} s; stderr:\n{(error.stderr or b'')[-3000:]!r}")
     assert done.returncode == 0, f"{session.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+def test_the_readme_reaches_the_reference_pages_within_1500_words():
+    """A newcomer reads the README in ten minutes: what and why, install, the commands, the quickstarts; the
+    reference lives in docs/, linked early (words: whitespace-separated, code included)."""
+    text = (ROOT / "README.md").read_text()
+    before_first_link = text[:text.index("](docs/")]
+    assert len(before_first_link.split()) < 1500
+    assert len(text.split()) < 2000
+    for section in ("## Install", "## The two commands", "## Quickstart: Megatron-LM's `pretrain()`",
+                    "## Quickstart: your own megatron-core loop", "## Quickstart: Twinkle", "## Reference"):
+        assert section in text, section
