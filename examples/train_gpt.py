@@ -25,8 +25,8 @@ the harder corpus stays higher.
 The data of a step is a pure function of ``(seed, step, microbatch, DP rank)``,
 so a run resumed from a checkpoint sees exactly what an uninterrupted run saw.
 
-CPU (gloo; megatron-core's CUDA calls are redirected by the test suite's
-CUDA-to-CPU shim), either as ranks forked by this script or under torchrun::
+CPU (gloo; megatron-core's CUDA calls are redirected by the CUDA-to-CPU shim
+``twinkle_megatron.testing.cuda_shim``), either as ranks forked by this script or under torchrun::
 
     python examples/train_gpt.py                       # TP2 × PP2 × DP2 on 8 forked ranks
     python examples/train_gpt.py --vpp 2 --steps 60    # the interleaved schedule
@@ -80,10 +80,19 @@ if __name__ == "__main__":
     for _stop_signal in STOP_SIGNALS:
         signal.signal(_stop_signal, _record_stop_signal)
 
-import torch  # noqa: E402  (after the signal handlers, on purpose)
-import torch.distributed as dist  # noqa: E402
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+def _missing(package: str, error: ImportError) -> None:
+    """A missing environment in one line (the job runs with the submitting shell's), exit status 2."""
+    print(f"train_gpt.py: error: {sys.executable} cannot import {package} ({error}); activate the environment "
+          "that has twinkle-megatron and megatron-core installed (make setup, or pip install -e .)", file=sys.stderr)
+    sys.exit(2)
+
+
+try:  # after the signal handlers, on purpose
+    import torch
+    import torch.distributed as dist
+except ImportError as _error:
+    _missing("torch", _error)
 
 
 # ------------------------------------------------------------------ Megatron-LM's forward_step
@@ -223,10 +232,9 @@ def moe_config_kwargs(args: argparse.Namespace, cpu: bool) -> dict:
     """TransformerConfig fields of the MoE variant (``--moe-experts``): none for the dense model."""
     if not args.moe_experts:
         return {}
-    _tests_on_path()
-    from kit.megatron_moe import allow_router_without_te
+    from twinkle_megatron.testing.router_without_te import allow_router_without_te
 
-    allow_router_without_te()  # megatron-core 0.16's router without Transformer Engine (see tests/kit/megatron_moe.py)
+    allow_router_without_te()  # megatron-core 0.16's router without Transformer Engine (see that module)
     return dict(
         num_moe_experts=args.moe_experts, moe_router_topk=args.moe_topk, expert_model_parallel_size=args.ep,
         # The all-to-all dispatcher needs CUDA (its split sizes become lists only from CUDA tensors).
@@ -322,7 +330,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     tracker = MetricsTracker(                                                            # <- plugin
         log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
         padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-        global_batch_size=global_batch_size, backends=args.backends, log_dir=args.run_dir,
+        global_batch_size=global_batch_size, backends=console_backends(args), log_dir=args.run_dir,
         spike_threshold=args.spike_threshold)
     first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
     blend = blended_dataset(args, args.steps * global_batch_size)
@@ -372,6 +380,30 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         from twinkle_megatron.logging.runlog import load_run
 
         print("\n" + format_summary(load_run(log_path)), flush=True)
+
+
+def console_backends(args: argparse.Namespace) -> list:
+    """``--backends`` with ``stdout`` as ``--stdout`` asks: compact (plus each corpus's accuracy) or full."""
+    from twinkle_megatron.logging import StdoutBackend
+
+    per_corpus = [f"accuracy/{name}" for name in CORPORA]
+    return [StdoutBackend(detail=args.stdout, extra_keys=per_corpus) if name == "stdout" else name
+            for name in args.backends]
+
+
+def quiet_megatron() -> None:
+    """Keep megatron-core's warnings and log messages off the demo's console (this script only).
+
+    On a CPU without Apex or Transformer Engine megatron-core warns once per rank and model chunk
+    about what it falls back to (Apex norms, CUDA-graph scopes) and logs that the blend's indexes
+    are not cached: two dozen lines before the first metric. Its errors still show; a library
+    user's filters are untouched, since only this script calls this (``--megatron-warnings``
+    shows everything).
+    """
+    import logging
+
+    warnings.filterwarnings("ignore", module=r"megatron\.core(\.|$)")
+    logging.getLogger("megatron.core").setLevel(logging.ERROR)
 
 
 class StopRequest:
@@ -441,54 +473,82 @@ def load_checkpoint(args: argparse.Namespace, chunks, optimizer, tracker) -> int
 # ------------------------------------------------------------------ flags
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The flags, checked (:func:`flag_problems`): a usage error exits with status 2 before any rank starts."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dp", type=int, default=None,
-                        help="data-parallel size (forked CPU ranks: default 2; torchrun: world / TP·PP·CP)")
-    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
-    parser.add_argument("--cp", type=int, default=1, help="context parallelism (needs Transformer Engine attention)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in its help; the description as written."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag with its help and default (``--help``)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    layout = parser.add_argument_group("parallel layout")
+    layout.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    layout.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
+    layout.add_argument("--dp", type=int, default=None,
+                        help="data-parallel size (forked CPU ranks: None means 2; torchrun: world / TP·PP·CP)")
+    layout.add_argument("--vpp", type=int, default=None,
+                        help="virtual pipeline stages per rank (the interleaved schedule; None: not interleaved)")
+    layout.add_argument("--cp", type=int, default=1, help="context-parallel size (needs Transformer Engine attention)")
+    layout.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --moe-experts)")
+    layout.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA when available; cpu: gloo and the CPU shim, also under torchrun")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--log-interval", type=int, default=5)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=32)
-    parser.add_argument("--vocab-size", type=int, default=61)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--moe-experts", type=int, default=0,
-                        help="experts per layer (0: dense MLPs); logs the moe/ routing-health keys")
-    parser.add_argument("--moe-topk", type=int, default=2, help="experts per token (with --moe-experts)")
-    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (with --moe-experts)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=1234, help="model initialisation and data")
-    parser.add_argument("--run-name", default=os.environ.get("SLURM_JOB_NAME", "demo"))
-    parser.add_argument("--log-dir", default="runs", help="RUN_DIR is LOG_DIR/RUN_NAME")
-    parser.add_argument("--backends", nargs="+", default=None,
-                        help="stdout jsonl tensorboard wandb swanlab mlflow (default: stdout jsonl, "
-                             "and tensorboard when installed)")
-    parser.add_argument("--save-interval", type=int, default=0,
-                        help="checkpoint every N steps, a multiple of --log-interval (0: never; a stop signal "
-                             "always saves)")
-    parser.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
-    parser.add_argument("--layer-norms", action="store_true", help="log per-layer gradient and parameter norms")
-    parser.add_argument("--plant-bad-sample", type=int, default=0, metavar="STEP",
+    training = parser.add_argument_group("training")
+    training.add_argument("--steps", type=int, default=40, help="training steps")
+    training.add_argument("--microbatches", type=int, default=4, help="microbatches per step and data-parallel rank")
+    training.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch")
+    training.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (constant)")
+    training.add_argument("--seed", type=int, default=1234, help="model initialisation and data")
+    model = parser.add_argument_group("model")
+    model.add_argument("--seq-length", type=int, default=32, help="tokens per sequence")
+    model.add_argument("--vocab-size", type=int, default=61,
+                       help="true vocabulary size (the model's is padded to a multiple of TP, plus TP)")
+    model.add_argument("--layers", type=int, default=4, help="transformer layers (divisible by PP × VPP)")
+    model.add_argument("--hidden-size", type=int, default=64, help="hidden size (divisible by --heads)")
+    model.add_argument("--heads", type=int, default=4, help="attention heads (divisible by TP)")
+    model.add_argument("--moe-experts", type=int, default=0,
+                       help="experts per layer (0: dense MLPs); logs the moe/ routing-health keys")
+    model.add_argument("--moe-topk", type=int, default=2, help="experts per token (with --moe-experts)")
+    logging_ = parser.add_argument_group("logging and checkpoints")
+    logging_.add_argument("--log-interval", type=int, default=5, help="a metrics record every N steps")
+    logging_.add_argument("--run-name", default=os.environ.get("SLURM_JOB_NAME", "demo"),
+                          help="the run's name and directory under --log-dir (default from $SLURM_JOB_NAME)")
+    logging_.add_argument("--log-dir", default="runs", help="RUN_DIR is LOG_DIR/RUN_NAME")
+    logging_.add_argument("--backends", nargs="+", default=None,
+                          help="any of stdout jsonl tensorboard wandb swanlab mlflow (None: stdout jsonl, and "
+                               "tensorboard when installed)")
+    logging_.add_argument("--stdout", choices=("compact", "full"), default="compact",
+                          help="the console's step line: compact (loss, accuracy per dataset, throughput, step "
+                               "time) or full (every key); RUN_DIR/metrics.jsonl always has every key")
+    logging_.add_argument("--megatron-warnings", action="store_true",
+                          help="show megatron-core's own warnings and log messages on the console (hidden by "
+                               "default: on a CPU they are about Apex, TE and CUDA graphs the demo does not use)")
+    logging_.add_argument("--save-interval", type=int, default=0,
+                          help="checkpoint every N steps, a multiple of --log-interval (0: never; a stop signal "
+                               "always saves)")
+    logging_.add_argument("--resume", action="store_true", help="continue from RUN_DIR/checkpoint if present")
+    health = parser.add_argument_group("step health (docs/step-health.md)")
+    health.add_argument("--layer-norms", action="store_true", help="log per-layer gradient and parameter norms")
+    health.add_argument("--plant-bad-sample", type=int, default=0, metavar="STEP",
                         help="corrupt one sample of STEP's batch: a loss spike, named in RUN_DIR/incidents.jsonl "
-                             "(visible with a small batch and --log-interval 1, see docs/step-health.md)")
-    parser.add_argument("--spike-threshold", type=float, default=0.5,
+                             "(visible with a small batch and --log-interval 1; 0: none)")
+    health.add_argument("--spike-threshold", type=float, default=0.5,
                         help="a loss spike (and an incident) is a loss above (1 + this) × its EMA")
-    parser.add_argument("--skip-samples", default=None, metavar="FILE",
+    health.add_argument("--skip-samples", default=None, metavar="FILE",
                         help="leave these samples out of the loss: an incidents.jsonl (each incident's top sample) "
                              "or a text file of sample indices")
+    parser.add_argument("--check-flags", action="store_true",
+                        help="check the flags against the layout and the world (torchrun's WORLD_SIZE when set) "
+                             "and exit: 0 when they work, 2 with the problems; --device auto counts as cuda (the "
+                             "GPU nodes', not this machine's). What DRY_RUN=1 of examples/slurm/train.sbatch runs")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (:func:`flag_problems`): a usage error exits with status 2 before any rank starts."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     under_torchrun = "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else None
-    args.device = _device(args.device)
+    args.device = "cuda" if args.check_flags and args.device == "auto" else _device(args.device)
     if args.dp is None and not under_torchrun:
         args.dp = 2
     problems = flag_problems(args, world_size)
@@ -541,7 +601,7 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
         problems.append(f"--lr must be a positive number, got {args.lr}")
     if not args.run_name or os.sep in args.run_name:
         problems.append(f"--run-name must be a non-empty name without {os.sep!r}, got {args.run_name!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available() and not getattr(args, "check_flags", False):
         problems.append("--device cuda, but CUDA is not available")
     if problems:
         return problems  # the divisibility checks below need positive sizes
@@ -595,21 +655,13 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
 # ------------------------------------------------------------------ launching
 
 
-def _tests_on_path() -> None:
-    """The test suite's megatron-core support (the CPU shim, the MoE router without TE) becomes importable."""
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-
-
 @contextlib.contextmanager
 def _megatron_on(device: str):
-    """megatron-core calls CUDA directly; on CPU the test suite's shim redirects those calls."""
+    """megatron-core calls CUDA directly; on CPU the package's CPU shim (tests and demos only) redirects them."""
     if device != "cpu":
         yield
         return
-    _tests_on_path()
-    from kit.cuda_shim import cpu_cuda_shim
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
     with cpu_cuda_shim():
         yield
@@ -677,6 +729,17 @@ def main(argv=None) -> None:
     # CUDA reads it when it starts, so before anything touches CUDA.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_args(argv)
+    if not args.megatron_warnings:
+        quiet_megatron()
+    for package in ("megatron.core", "twinkle_megatron"):
+        try:
+            __import__(package)
+        except ImportError as error:
+            _missing(package, error)
+    if args.check_flags:
+        print(f"flags OK: TP{args.tp} × PP{args.pp}{f' × VPP{args.vpp}' if args.vpp else ''} × CP{args.cp} × "
+              f"DP{args.dp}, {args.layers} layers, {args.heads} heads on {args.device}")
+        return
     if "RANK" in os.environ:  # torchrun: one process per GPU (or CPU rank)
         _torchrun_rank(args)
     else:

@@ -227,3 +227,45 @@ def test_resume_never_runs_code_from_a_planted_checkpoint(tmp_path):
     assert done.returncode != 0
     assert "Weights only load failed" in done.stderr
     assert not marker.exists(), "unpickling the planted checkpoint ran its code"
+
+
+# ------------------------------------------------------------------ what the console shows
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    parser = train_gpt.build_parser()
+    flags = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    assert len(flags) >= 25
+    undocumented = [action.option_strings[0] for action in flags if not (action.help or "").strip()]
+    assert undocumented == []
+    text = " ".join(parser.format_help().split())
+    for action in flags:  # ArgumentDefaultsHelpFormatter: "... (default: 40)" after each flag's help
+        help_text = " ".join(action.help.split())
+        assert f"{help_text} (default: {action.default})" in text, action.option_strings[0]
+
+
+def test_the_console_shows_compact_step_lines_and_no_megatron_warnings(tmp_path):
+    """Default console: one short line per log step with significant digits; megatron-core's warnings hidden
+    (a library user's filters are never touched: only the script's main() sets them)."""
+    command = [sys.executable, str(SCRIPT), "--tp", "2", "--pp", "2", "--dp", "1", "--steps", "2",
+               "--log-interval", "1", "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "stdout",
+               "jsonl"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    console = done.stdout + done.stderr
+    assert "Warning" not in console and "warnings.warn" not in console and "path_to_cache" not in console, console
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 1", "step 2"]
+    for line in steps:
+        assert len(line) <= 200, line
+        fields = dict(part.rsplit(" ", 1) for part in line.split(" | ")[1:])
+        assert set(fields) >= {"loss", "accuracy", "accuracy/easy", "accuracy/hard", "TFLOP/s/gpu", "step_time"}
+        assert "entropy" not in fields and "loss/easy" not in fields  # in the record, not on the console
+        for label, text in fields.items():  # never a bare 0.0: at least 3 significant digits, or an exact 0
+            digits = re.sub(r"[^0-9]", "", text).lstrip("0")
+            assert text.rstrip("s%GiB") in ("0",) or len(digits) >= 3 or "e" in text, (label, text)
+    record = _records(tmp_path)[-1]
+    assert {"entropy", "loss/easy", "perf/tokens_per_second"} <= set(record)  # the full record in JSONL
+    shown = subprocess.run(command[:-2] + ["jsonl", "--megatron-warnings", "--steps", "1"], capture_output=True,
+                           text=True, timeout=240, cwd=ROOT)
+    assert shown.returncode == 0 and "UserWarning" in shown.stderr

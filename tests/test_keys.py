@@ -1,4 +1,4 @@
-"""The tracker's keys: one documented, stable table (twinkle_megatron.keys, the README), and nothing else."""
+"""The tracker's keys: one documented, stable table (twinkle_megatron.keys, docs/tracker.md), and nothing else."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floatin
 from twinkle_megatron.tracker import step_states as tracker_module
 
 
-def test_the_readme_lists_exactly_the_key_table():
+def test_the_docs_list_exactly_the_key_table():
     assert key_table("tracker") == [key for key, _ in keys.TRACKER_KEYS]
 
 

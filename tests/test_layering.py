@@ -4,7 +4,9 @@ A module reaches another only through its public names: it neither imports
 nor reads an ``_``-prefixed name defined elsewhere, nor overrides one in a
 subclass. The layers import one way: ``parallel`` and ``ops`` know nothing of
 the others; ``metric`` builds on them; ``megatron``, ``tracker`` and
-``logging`` on those; ``cli`` and ``plots`` on everything.
+``logging`` on those; ``cli`` and ``plots`` on everything. ``testing`` (the CPU
+shim and other support for tests, the CPU demo and the documentation's examples)
+is a top layer that may use any other and that nothing in the library imports.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ ALLOWED = {
     "megatron": {"parallel", "ops", "metric"},
     "logging": set(),
     "tracker": {"parallel", "metric", "megatron", "logging"},
+    "testing": {"parallel", "ops", "metric", "megatron", "logging", "tracker"},
 }
+# Support for tests and CPU demos: never on the library's path.
+TOP_ONLY = "twinkle_megatron.testing"
 
 
 def _module_name(path: Path) -> str:
@@ -154,3 +159,17 @@ def test_layers_import_one_way():
             if other and other != layer and other not in ("keys", "version") and other not in ALLOWED[layer]:
                 offences.append(f"{module} imports {target}")
     assert not offences, "\n".join(offences)
+
+
+def test_nothing_in_the_library_imports_the_testing_support():
+    offences = [f"{module} imports {target}" for module, targets in _graph().items()
+                if not (module == TOP_ONLY or module.startswith(TOP_ONLY + "."))
+                for target in targets if target == TOP_ONLY or target.startswith(TOP_ONLY + ".")]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_testing_package_init_imports_nothing():
+    """``twinkle_megatron/testing/__init__.py`` imports nothing: a script takes the one module it needs."""
+    tree = ast.parse((PACKAGE / "testing" / "__init__.py").read_text())
+    imports = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert imports == [], imports

@@ -23,6 +23,7 @@ from twinkle_megatron.logging import (
     build_backend,
     read_jsonl,
 )
+from twinkle_megatron.logging.stdout import significant
 from twinkle_megatron.tracker import MetricsTracker
 
 
@@ -45,12 +46,47 @@ def test_stdout_line(capsys):
                 "accuracy": 0.5, "train/nonfinite_loss_steps": 1, "train/loss_spike": 0, "learning rate": 3e-4,
                 "train/consumed_tokens": 4096}, 7)
     line = capsys.readouterr().out.strip()
-    assert line == ("step 7 | loss 2.3457 | lr 3.00e-04 | accuracy 0.5000 | tokens/s 12,346 | mfu 41.2% | "
-                    "step_time 1.500s | NONFINITE_LOSS_STEPS 1")
+    assert line == ("step 7 | loss 2.3457 | lr 3.00e-04 | accuracy 0.5000 | mfu 41.2% | step_time 1.500s | "
+                    "NONFINITE_LOSS_STEPS 1")  # compact: the global tokens/s and the token total are in the record
+
+
+def test_stdout_full_line(capsys):
+    logger = MetricsLogger([StdoutBackend(detail="full")])
+    logger.log({"loss": 2.34567, "perf/tokens_per_second": 12345.6, "perf/mfu": 0.412, "perf/step_time": 1.5,
+                "accuracy": 0.5, "train/nonfinite_loss_steps": 1, "learning rate": 3e-4, "entropy": 2.5}, 7)
+    line = capsys.readouterr().out.strip()
+    assert line == ("step 7 | loss 2.3457 | lr 3.00e-04 | accuracy 0.5000 | entropy 2.5000 | tokens/s 12,346 | "
+                    "mfu 41.2% | step_time 1.500s | NONFINITE_LOSS_STEPS 1")
+    with pytest.raises(ValueError, match=r"detail=.*one of \('compact', 'full'\), got 'short'"):
+        StdoutBackend(detail="short")
+
+
+@pytest.mark.parametrize("value, decimals, text", [
+    (2.34567, 4, "2.3457"), (0.0031234, 1, "0.00312"), (41.25, 1, "41.2"), (12345.6, 0, "12346"),
+    (0.5, 0, "0.500"), (0.00031, 3, "0.000310"), (3.2e-9, 2, "3.20e-09"), (0.0, 1, "0"), (-0.0123, 4, "-0.0123"),
+    (float("nan"), 1, "nan"),
+])
+def test_stdout_numbers_keep_three_significant_digits(value, decimals, text):
+    assert significant(value, decimals) == text
+
+
+def test_stdout_on_a_cpu_shows_small_throughput_not_zero(capsys):
+    StdoutBackend().write({"perf/tflops_per_gpu": 0.0031234, "perf/tokens_per_second_per_gpu": 0.75,
+                           "perf/step_time": 0.00042}, 3)
+    assert capsys.readouterr().out.strip() == "step 3 | tokens/s/gpu 0.750 | TFLOP/s/gpu 0.00312 | step_time 0.000420s"
+
+
+def test_stdout_compact_line_with_extra_keys(capsys):
+    StdoutBackend(extra_keys=("accuracy/easy", "loss/hard", "absent")).write(
+        {"loss": 2.0, "accuracy": 0.5, "accuracy/easy": 1.0, "accuracy/hard": 0.25, "loss/hard": 3.339912}, 4)
+    assert capsys.readouterr().out.strip() == "step 4 | loss 2.0000 | accuracy 0.5000 | accuracy/easy 1.0000 | " \
+                                              "loss/hard 3.3399"
+    with pytest.raises(TypeError, match="sequence of keys"):
+        StdoutBackend(extra_keys="accuracy/easy")
 
 
 def test_stdout_prints_per_dataset_keys_like_their_metric(capsys):
-    logger = MetricsLogger([StdoutBackend()])
+    logger = MetricsLogger([StdoutBackend(detail="full")])
     logger.log({"accuracy": 0.5, "accuracy/easy": 1.0, "correct_tokens/easy": 2480.0, "total_tokens/easy": 2480.0,
                 "loss/hard": 3.339912, "eval/accuracy": 0.25, "rewards/margins": 0.123456789}, 3)
     line = capsys.readouterr().out.strip()

@@ -500,7 +500,7 @@ def test_recording_makes_no_host_sync():
 # ------------------------------------------------------------------ the key table, the plot
 
 
-def test_the_readme_lists_exactly_the_moe_key_table():
+def test_the_docs_list_exactly_the_moe_key_table():
     assert key_table("moe") == [key for key, _ in keys.MOE_KEYS]
     assert all(key.startswith(keys.MOE_PREFIX) for key, _ in keys.MOE_KEYS)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,10 +63,15 @@ def test_command_for_2_nodes_of_4_gpus(capsys):
 
 
 def test_node_zero_prints_the_layout_once(capsys):
-    assert launch.main(["--dry-run", "--tp", "2", "--pp", "2", "train.py"], env={**SLURM_ENV, "SLURM_NODEID": "0"}) == 0
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    assert launch.main(["--dry-run", "--tp", "2", "--pp", "2", script], env={**SLURM_ENV, "SLURM_NODEID": "0"}) == 0
     captured = capsys.readouterr()
     assert "--node-rank=0" in captured.out
     assert "2 nodes × 4 GPUs = 8 ranks, TP2 × PP2 × CP1 × DP2; rendezvous node01:24242" in captured.err
+    assert f"{script} accepts its flags for 8 ranks" in captured.err  # node 0 checks the script's flags
+    with pytest.raises(SystemExit):  # a dry run of a script that is not there fails before anything is submitted
+        launch.main(["--dry-run", "train.py"], env={**SLURM_ENV, "SLURM_NODEID": "0"})
+    assert "train.py refuses its flags for 8 ranks" in capsys.readouterr().err
 
 
 def test_restart_resumes_and_options_are_passed_on():
@@ -215,3 +223,97 @@ def test_torchrun_is_started_ignoring_usr1(tmp_path):
                              "train.py"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "SIG_IGN"
+
+
+# ------------------------------------------------------------------ DRY_RUN checks the model too; the documented lines
+
+
+def _dry_run(tmp_path, **knobs):
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "HOME": str(tmp_path), "DRY_RUN": "1", **knobs}
+    return subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_dry_run_checks_the_model_flags_against_the_layout_before_anything_is_submitted(tmp_path):
+    refused = _dry_run(tmp_path, NODES="2", GPUS_PER_NODE="4", TP="2", PP="4", VPP="2")
+    assert refused.returncode == 2
+    assert "train_gpt.py: error: --layers 4 is not divisible by --pp 4 × --vpp 2 = 8 pipeline stages" \
+        in refused.stderr.splitlines()[-1]
+    assert "torchrun" not in refused.stdout  # refused before any command is printed
+    accepted = _dry_run(tmp_path, NODES="2", GPUS_PER_NODE="4", TP="2", PP="4", VPP="2", TRAIN_ARGS="--layers 8")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "examples/train_gpt.py accepts its flags for 8 ranks" in accepted.stderr
+    assert len([line for line in accepted.stdout.splitlines() if line.startswith("torchrun")]) == 2
+
+
+def test_the_world_size_is_checked_with_the_script_as_torchrun_would_start_it(tmp_path):
+    """The check runs as rank 0 of the job's world: the script's own torchrun checks apply (--dp against it)."""
+    refused = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", TP="2", PP="2", TRAIN_ARGS="--dp 2")
+    assert refused.returncode == 2
+    assert "--dp 2 does not match torchrun's 4 ranks / 4 = 1" in refused.stderr
+
+
+def test_a_script_without_check_flags_is_reported_unchecked(tmp_path):
+    script = tmp_path / "mine.py"
+    script.write_text("import argparse\nparser = argparse.ArgumentParser()\n"
+                      "for flag in ('--tp', '--pp', '--run-name', '--log-dir', '--steps', '--micro-batch-size', "
+                      "'--microbatches', '--log-interval', '--save-interval'):\n    parser.add_argument(flag)\n"
+                      "parser.parse_args()\n")
+    done = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", TRAIN_SCRIPT=str(script))
+    assert done.returncode == 0, done.stderr
+    assert f"note: {script} has no --check-flags: its own flags were not checked" in done.stderr
+
+
+def test_a_missing_environment_is_one_line(tmp_path):
+    """The job runs with the submitting shell's Python: without the package, one error line, status 2."""
+    for script in (os.path.join(SLURM_DIR, "launch.py"), os.path.join(ROOT, "examples", "train_gpt.py")):
+        done = subprocess.run([sys.executable, "-S", script, "--help"], env={**SLURM_ENV, "PATH": os.environ["PATH"]},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "error:" in lines[0] and "cannot import" in lines[0], done.stderr
+
+
+DOCUMENTED = [Path(ROOT) / "README.md", *sorted((Path(ROOT) / "docs").glob("*.md")), Path(SLURM_DIR) / "README.md"]
+
+
+def _documented_submissions():
+    """Every shell line of the docs that runs examples/slurm/train.sbatch, with the error a comment after it
+    expects (``# launch.py: error: ...``), if any."""
+    found = []
+    for page in DOCUMENTED:
+        if not page.exists():
+            continue
+        blocks = re.findall(r"^```(?:bash|sh|console|shell)\n(.*?)^```", page.read_text(), re.M | re.S)
+        for block in blocks:
+            lines = block.replace("\\\n", " ").splitlines()
+            for index, line in enumerate(lines):
+                command = line.split(" #", 1)[0].strip()
+                if "examples/slurm/train.sbatch" not in command or command.startswith("#"):
+                    continue
+                expected = []
+                for comment in lines[index + 1:]:
+                    if not comment.startswith("#") or (expected == [] and "error:" not in comment):
+                        break
+                    expected.append(comment.lstrip("#").strip())
+                found.append(pytest.param(command, " ".join(expected), id=f"{page.relative_to(ROOT)}: {command[:60]}"))
+    return found
+
+
+@pytest.mark.parametrize("command, expected_error", _documented_submissions())
+def test_every_documented_submission_passes_its_dry_run(command, expected_error, tmp_path):
+    """Each documented `sbatch` line, as DRY_RUN=1 with its --nodes/--gpus-per-node as NODES/GPUS_PER_NODE."""
+    words = shlex.split(command)
+    knobs = {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        knobs[name] = value
+    for word in words:
+        option = re.fullmatch(r"--(nodes|gpus-per-node)=(\d+)", word)
+        if option and not (option.group(1) == "gpus-per-node" and option.group(2) == "0"):  # CPU: GPUS_PER_NODE
+            knobs.setdefault({"nodes": "NODES", "gpus-per-node": "GPUS_PER_NODE"}[option.group(1)], option.group(2))
+    done = _dry_run(tmp_path, **knobs)
+    if expected_error:
+        assert done.returncode == 2 and expected_error in " ".join(done.stderr.split()), done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert "torchrun" in done.stdout

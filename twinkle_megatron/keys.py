@@ -10,7 +10,7 @@ record with the keys their metric defines (``accuracy``, ``train/approx_kl``,
 
 This module is the one place the names are spelled: the tracker, the stdout
 line, the plots and ``twinkle-megatron summary`` import them from here, and the
-README's key table is checked against :data:`TRACKER_KEYS` by the tests.
+docs/tracker.md's key table is checked against :data:`TRACKER_KEYS` by the tests.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ METRIC_HOOK_FAILURES = "train/metric_hook_failures"
 # The smoothed quantities and the key of each one's EMA.
 EMA_OF = {LOSS: LOSS_EMA, TOKENS_PER_SECOND: TOKENS_PER_SECOND_EMA, MFU: MFU_EMA, STEP_TIME: STEP_TIME_EMA}
 
-# Every key the tracker itself reports, with its meaning (the README's key table).
+# Every key the tracker itself reports, with its meaning (the key table of docs/tracker.md).
 TRACKER_KEYS: tuple[tuple[str, str], ...] = (
     (LOSS, "Σ loss sums / Σ loss tokens over the interval and DP×CP (Twinkle's LossMetric name)"),
     (GRAD_NORM, "latest gradient norm, max over ranks"),
@@ -120,7 +120,7 @@ def moe_layer_key(layer: int, stat: str) -> str:
     return f"{MOE_LAYER_PREFIX}{layer}/{stat}"
 
 
-# Every moe/ key with its meaning (the README's MoE key table). n_e: tokens routed to expert e in the interval,
+# Every moe/ key with its meaning (the key table of docs/moe.md). n_e: tokens routed to expert e in the interval,
 # T: tokens the layer's router saw (padding excluded), k: experts per token, E: experts, b = T·k/E.
 MOE_KEYS: tuple[tuple[str, str], ...] = (
     (MOE_LAYERS, "MoE layers that routed tokens in the interval"),

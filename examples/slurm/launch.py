@@ -23,7 +23,10 @@ number of GPUs, and replaces itself with::
   directory, its checkpoint and its W&B run (whose id the W&B backend records
   in the run directory).
 
-``--dry-run`` prints the command instead of running it. The training script
+``--dry-run`` prints the command instead of running it, after checking (on node 0) that the
+training script accepts its flags for the job's world: it runs the script once with
+``--check-flags`` (``examples/train_gpt.py`` checks its model against the layout and exits),
+so ``DRY_RUN=1`` catches what would otherwise fail only once the job has started. The training script
 must accept ``--tp``, ``--pp``, ``--vpp`` (when given), ``--cp`` (when > 1),
 ``--run-name``, ``--log-dir`` and ``--resume``, as ``examples/train_gpt.py`` does.
 
@@ -49,7 +52,12 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence
 
-from twinkle_megatron.parallel import Layout
+try:
+    from twinkle_megatron.parallel import Layout
+except ImportError as _missing:  # the job runs with the submitting shell's environment: say so in one line
+    print(f"launch.py: error: {sys.executable} cannot import twinkle_megatron ({_missing}); activate the "
+          "environment that has it installed (pip install -e .) before sbatch, or set PYTHON", file=sys.stderr)
+    sys.exit(2)
 
 # Below Linux's ephemeral port range (32768-60999), so an outgoing connection of
 # another process cannot already hold the port we pick.
@@ -224,8 +232,15 @@ def build_command(job: SlurmJob, layout: Layout, script: str, script_args: Seque
                           f"pass {clashes} as launcher options instead of script arguments")
     command = [torchrun, f"--nnodes={job.nnodes}", f"--nproc-per-node={job.gpus_per_node}",
                f"--node-rank={job.node_rank}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={job.master_addr}:{job.master_port}", f"--rdzv-id={job.job_id}", script,
-               "--tp", str(layout.tp), "--pp", str(layout.pp)]
+               f"--rdzv-endpoint={job.master_addr}:{job.master_port}", f"--rdzv-id={job.job_id}"]
+    return command + script_command(job, layout, script, script_args, run_name=run_name, log_dir=log_dir,
+                                    resume=resume)
+
+
+def script_command(job: SlurmJob, layout: Layout, script: str, script_args: Sequence[str] = (), *,
+                   run_name: Optional[str] = None, log_dir: str = "runs", resume: bool = False) -> List[str]:
+    """The training script and its arguments, as torchrun starts it on every rank (see :func:`build_command`)."""
+    command = [script, "--tp", str(layout.tp), "--pp", str(layout.pp)]
     if layout.vpp is not None:
         command += ["--vpp", str(layout.vpp)]
     if layout.cp > 1:  # only when used: a script without context parallelism need not know the flag
@@ -234,6 +249,33 @@ def build_command(job: SlurmJob, layout: Layout, script: str, script_args: Seque
     if resume or job.restart_count > 0:
         command.append("--resume")
     return command + list(script_args)
+
+
+CHECK_FLAG = "--check-flags"
+
+
+def check_script_flags(job: SlurmJob, script: Sequence[str], env: Mapping[str, str],
+                       python: str = sys.executable) -> str:
+    """Run ``script`` (the script and its arguments) with ``--check-flags`` as rank 0 of the job's world.
+
+    ``examples/train_gpt.py --check-flags`` checks its model flags against the layout and the
+    world size (heads by TP, layers by PP × VPP, ...) and exits: 0 when they work, 2 with one
+    ``error:`` line. Returns a line for the job output; raises :class:`LaunchError` with the
+    script's error. A script without the flag is reported as unchecked, not refused.
+    """
+    rank_env = {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(job.world_size)}
+    try:
+        done = subprocess.run([python, *script, CHECK_FLAG], env=rank_env, capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise LaunchError(f"cannot check the flags of {script[0]}: {error}") from None
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode == 0:
+        return f"{script[0]} accepts its flags for {job.world_size} ranks"
+    if any(f"unrecognized arguments: {CHECK_FLAG}" in line for line in errors):
+        return f"note: {script[0]} has no {CHECK_FLAG}: its own flags were not checked"
+    reason = errors[-1] if errors else f"exit status {done.returncode}"
+    raise LaunchError(f"{script[0]} refuses its flags for {job.world_size} ranks: {reason}")
 
 
 # ------------------------------------------------------------------ command line
@@ -285,6 +327,13 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
         print(f"[launch] warning: TP={layout.tp} > {job.gpus_per_node} GPUs per node: tensor-parallel "
               "collectives will cross nodes (slow)", file=sys.stderr, flush=True)
     if args.dry_run:
+        if job.node_rank == 0:  # the flags are the same on every node: check them once, before anything runs
+            script = script_command(job, layout, args.script, args.script_args, run_name=args.run_name,
+                                    log_dir=args.log_dir, resume=args.resume)
+            try:
+                print(f"[launch] {check_script_flags(job, script, env)}", file=sys.stderr, flush=True)
+            except LaunchError as error:
+                parser.error(str(error))
         print(shlex.join(command), flush=True)
         return 0
     try:

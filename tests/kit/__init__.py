@@ -9,8 +9,9 @@
 * ``ops_cases``: the input families of the vocab-parallel ops and their check against the reference;
 * ``megatron_gpt``: a tiny layout-independent megatron-core ``GPTModel`` and one step through its schedules;
 * ``megatron_packed``: packed (THD) rows through that GPTModel, a block-diagonal stand-in for TE's attention;
-* ``cuda_shim``: megatron-core's CUDA calls on the CPU (also used by ``examples/train_gpt.py`` on CPU).
-* ``readme``: the README's key tables, to check them against the code's key lists.
+* ``cuda_shim``: megatron-core's CUDA calls on the CPU (re-exported from ``twinkle_megatron.testing.cuda_shim``,
+  which the examples import).
+* ``readme``: the key tables of the README and docs/, to check them against the code's key lists.
 
 Tests import the modules (``from kit.batches import RankView``); this file imports nothing, so that a script can
 take ``kit.cuda_shim`` alone.

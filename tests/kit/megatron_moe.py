@@ -9,7 +9,7 @@ expert ``r·E/ep + j``), so any TP×PP×EP×DP model is the single-process model
 Two things megatron-core 0.16.1 needs here, each a workaround for a CPU-only,
 TE-less install, not a change of what Megatron computes:
 
-- ``allow_router_without_te()``: ``RouterGatingLinearFunction.forward`` tests
+- ``allow_router_without_te()`` (shipped in ``twinkle_megatron.testing``): ``RouterGatingLinearFunction.forward`` tests
   ``te_general_gemm is not None``, but ``moe_utils`` defines that name only when
   Transformer Engine imports; without TE every router call raises ``NameError``.
   Defining it as ``None`` (what the check means) selects megatron-core's own
@@ -54,6 +54,7 @@ from kit.megatron_gpt import (
     make_config,
     tp_shard,
 )
+from twinkle_megatron.testing.router_without_te import allow_router_without_te
 
 __all__ = ["MoESpec", "allow_router_without_te", "build_moe_model", "init_parallel", "moe_config", "moe_layer_spec",
            "recompute_rng_on_cpu"]
@@ -67,14 +68,6 @@ class MoESpec:
     topk: int = 2
     aux_loss_coeff: float = 1e-2  # Megatron computes and tracks load_balancing_loss
     z_loss_coeff: Optional[float] = 1e-3  # ... and z_loss
-
-
-def allow_router_without_te() -> None:
-    """Define ``moe_utils.te_general_gemm = None`` when megatron-core left it undefined (no TE; see above)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager

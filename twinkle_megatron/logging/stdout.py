@@ -1,32 +1,67 @@
-"""One readable line per log step."""
+"""One readable line per log step: compact by default, every numeric key on request."""
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import Callable, Mapping, Optional, TextIO
+from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from .. import keys
 from .base import Backend
 
+# The fewest significant digits a number is printed with: a fixed format that would round a small
+# value to fewer (``TFLOP/s/gpu 0.0`` on a CPU) switches to significant digits (``0.00312``).
+SIGNIFICANT = 3
+
+
+def significant(value: float, decimals: int, grouping: bool = False) -> str:
+    """``value`` with ``decimals`` decimals, or more where that would show fewer than 3 significant digits.
+
+    ``significant(2.34567, 4) == '2.3457'``, ``significant(0.0031234, 1) == '0.00312'``,
+    ``significant(3.2e-9, 2) == '3.20e-09'``; zero is ``'0'`` and NaN/inf print as Python does.
+    """
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    magnitude = math.floor(math.log10(abs(value)))  # 0 for 1.x, -3 for 0.00x
+    shown = magnitude + 1 + decimals
+    if shown < SIGNIFICANT:
+        decimals = SIGNIFICANT - 1 - magnitude
+        if decimals > 8:
+            return f"{value:.{SIGNIFICANT - 1}e}"
+    return f"{value:,.{decimals}f}" if grouping else f"{value:.{decimals}f}"
+
+
+def _fixed(decimals: int, suffix: str = "", grouping: bool = False) -> Callable[[float], str]:
+    return lambda v: significant(v, decimals, grouping) + suffix
+
+
+def _percent(v: float) -> str:
+    return significant(100 * v, 1) + "%"
+
+
 # (key, label, format): the tracker's keys in reading order; other numeric keys follow as "key value".
 _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
-    (keys.LOSS, "loss", lambda v: f"{v:.4f}"),
-    (keys.LOSS_EMA, "loss_ema", lambda v: f"{v:.4f}"),
-    (keys.GRAD_NORM, "grad_norm", lambda v: f"{v:.3f}"),
+    (keys.LOSS, "loss", _fixed(4)),
+    (keys.LOSS_EMA, "loss_ema", _fixed(4)),
+    (keys.GRAD_NORM, "grad_norm", _fixed(3)),
     (keys.LEARNING_RATE, "lr", lambda v: f"{v:.2e}"),
-    ("accuracy", "accuracy", lambda v: f"{v:.4f}"),
-    ("logprob", "logprob", lambda v: f"{v:.4f}"),
-    ("entropy", "entropy", lambda v: f"{v:.4f}"),
-    (keys.TOKENS_PER_SECOND, "tokens/s", lambda v: f"{v:,.0f}"),
-    (keys.TOKENS_PER_SECOND_PER_GPU, "tokens/s/gpu", lambda v: f"{v:,.0f}"),
-    (keys.TFLOPS_PER_GPU, "TFLOP/s/gpu", lambda v: f"{v:.1f}"),
-    (keys.MFU, "mfu", lambda v: f"{v:.1%}"),
-    (keys.STEP_TIME, "step_time", lambda v: f"{v:.3f}s"),
-    (keys.STEP_TIME_MIN, "min", lambda v: f"{v:.3f}s"),
+    ("accuracy", "accuracy", _fixed(4)),
+    ("logprob", "logprob", _fixed(4)),
+    ("entropy", "entropy", _fixed(4)),
+    (keys.TOKENS_PER_SECOND, "tokens/s", _fixed(0, grouping=True)),
+    (keys.TOKENS_PER_SECOND_PER_GPU, "tokens/s/gpu", _fixed(0, grouping=True)),
+    (keys.TFLOPS_PER_GPU, "TFLOP/s/gpu", _fixed(1)),
+    (keys.MFU, "mfu", _percent),
+    (keys.STEP_TIME, "step_time", _fixed(3, "s")),
+    (keys.STEP_TIME_MIN, "min", _fixed(3, "s")),
     (keys.SLOWEST_RANK, "slowest_rank", lambda v: f"{int(v)}"),
-    (keys.MEMORY_PEAK_RESERVED, "peak_mem", lambda v: f"{v:.1f}GiB"),
+    (keys.MEMORY_PEAK_RESERVED, "peak_mem", _fixed(1, "GiB")),
     (keys.MEMORY_UTILIZATION, "mem_util", lambda v: f"{v:.0%}"),
 )
+# The compact line: what a glance at a console needs (the record has the rest).
+COMPACT_KEYS = (keys.LOSS, "accuracy", keys.GRAD_NORM, keys.LEARNING_RATE, keys.TOKENS_PER_SECOND_PER_GPU,
+                keys.TFLOPS_PER_GPU, keys.MFU, keys.STEP_TIME, keys.MEMORY_PEAK_RESERVED)
+DETAILS = ("compact", "full")
 # Shown above, or only of interest in charts.
 _COUNTS = {"correct_tokens", "total_tokens"}
 _SHOWN = {key for key, _, _ in _LINE} | _COUNTS | {keys.CONSUMED_TOKENS, keys.TOKENS_PER_SECOND_EMA,
@@ -42,25 +77,40 @@ _LEFT_OUT = (keys.MEMORY_PREFIX, keys.MOE_LAYER_PREFIX, *keys.LAYER_NORM_DETAIL_
 
 
 class StdoutBackend(Backend):
-    """``step 10 | loss 2.3456 | ... | mfu 41.2% | ...`` on ``stream`` (default stdout).
+    """``step 10 | loss 2.3456 | accuracy 0.5698 | ... | step_time 0.748s`` on ``stream`` (default stdout).
 
-    Non-zero anomaly counts (non-finite values, a loss spike, OOMs, allocation
-    retries) are appended in capitals so they stand out. With ``all_keys`` every
-    other numeric key is appended too (metrics of the collection, ``eval/*``), except
-    per-layer MoE keys (``moe/layer_*``: layers × experts, for files and charts) and per-layer norms
-    (``grad_norm/layer_*``, ``param_norm/*``: their compact view is shown).
+    ``detail="compact"`` (the default) prints the headline keys (:data:`COMPACT_KEYS`: loss,
+    accuracy, gradient norm, learning rate, tokens/s per GPU, TFLOP/s per GPU, MFU, step time,
+    peak memory) and then the ``extra_keys`` the record holds (``accuracy/<dataset>``...);
+    ``detail="full"`` prints every tracker key of the line and then every other
+    numeric key (metrics of the collection, per-dataset keys, ``eval/*``), except per-layer MoE
+    keys (``moe/layer_*``: layers × experts, for files and charts) and per-layer norms
+    (``grad_norm/layer_*``, ``param_norm/*``: their compact view is shown). Either way non-zero anomaly
+    counts (non-finite values, a loss spike, OOMs, allocation retries, hook failures) are
+    appended in capitals so they stand out, and numbers keep at least 3 significant digits.
+    The JSONL backend keeps the full record whatever this line shows.
     """
 
     name = "stdout"
 
-    def __init__(self, stream: Optional[TextIO] = None, all_keys: bool = True) -> None:
+    def __init__(self, stream: Optional[TextIO] = None, detail: str = "compact",
+                 extra_keys: Sequence[str] = ()) -> None:
+        if detail not in DETAILS:
+            raise ValueError(f"StdoutBackend(detail=...) must be one of {DETAILS}, got {detail!r}")
+        if isinstance(extra_keys, str):
+            raise TypeError(f"StdoutBackend(extra_keys=...) takes a sequence of keys, got the string {extra_keys!r}")
         self.stream = stream
-        self.all_keys = all_keys
+        self.detail = detail
+        self.extra_keys = tuple(extra_keys)
 
     def write(self, record: Mapping[str, float], step: int) -> None:
         parts = [f"step {step}"]
-        parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
-        if self.all_keys:
+        if self.detail == "compact":
+            parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE
+                      if key in COMPACT_KEYS and key in record]
+            parts += [f"{key} {_format(key, record[key])}" for key in self.extra_keys if key in record]
+        else:
+            parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
             parts += [f"{key} {_format(key, value)}" for key, value in record.items()
                       if key not in _SHOWN and _base(key) not in _COUNTS and key not in _ALARMS
                       and not key.startswith(_LEFT_OUT)]
