@@ -38,6 +38,7 @@ from ..metric import Accuracy, LogitsMetric, LossMetric, Metric, MetricCollectio
 from ..metric.base import Number, StateValues
 from ..metric.logits_pass import logits_token_stats
 from ..parallel import ParallelContext
+from .fused_loss import FusedLoss, check_fused_loss
 from .loss_reports import loss_func_result
 from .moe_routing import attach_moe_routing
 
@@ -92,14 +93,16 @@ class MegatronInstrumentation:
                  metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                  vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-                 moe_routing: bool = True, moe_per_layer: bool = False) -> None:
+                 moe_routing: bool = True, moe_per_layer: bool = False, fused_loss: bool = False) -> None:
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if fused_loss:
+            check_fused_loss(chunks)  # before any hook is attached: a refusal leaves the model as it was
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names)
         self._failures = HookFailures()
         self._context: Optional[ParallelContext] = None
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
         user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
         self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
             if moe_routing else None
@@ -115,12 +118,17 @@ class MegatronInstrumentation:
         self._handles: list = []
         self._calls_in_forward = 0
         self._current: dict = {}
-        for gpt in _language_models(chunks):
+        models = _language_models(chunks)
+        for gpt in models:
             # The signature is read once here, not per microbatch.
             before = functools.partial(self._before_model, inspect.signature(gpt.forward))
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
-            self._handles.append(gpt.output_layer.register_forward_hook(
-                functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
+            if not fused_loss:
+                self._handles.append(gpt.output_layer.register_forward_hook(
+                    functools.partial(self._after_output_layer, _mtp_heads(gpt)), with_kwargs=True))
+        # With fused_loss the statistics come from the loss's own pass (megatron/fused_loss.py).
+        self.fused_loss = FusedLoss(models if fused_loss else [], self._capture_stats, lambda: self.context.tp_group,
+                                    self.vocab_size, ignore_index)
 
     # ------------------------------------------------------------------ hooks
 
@@ -149,6 +157,9 @@ class MegatronInstrumentation:
             self._captured = {"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats}
         except Exception as error:  # noqa: BLE001
             self._failures.record("output_layer hook", error)
+
+    def _capture_stats(self, labels: torch.Tensor, stats: Any) -> None:  # the fused loss's statistics
+        self._captured = {"labels": labels, "loss_mask": self._current.get("loss_mask"), "stats": stats}
 
     # ----------------------------------------------------------- forward_step
 
@@ -279,6 +290,7 @@ class MegatronInstrumentation:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.fused_loss.detach()
         if self.moe is not None:
             self.moe.detach()
         self._captured = None
@@ -294,7 +306,8 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                metrics: Union[MetricCollection, Sequence[Metric], None] = None, *,
                vocab_size: Optional[int] = None, ignore_index: int = -100, loss_key: str = "lm loss",
                group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
-               moe_routing: bool = True, moe_per_layer: bool = False) -> MegatronInstrumentation:
+               moe_routing: bool = True, moe_per_layer: bool = False,
+               fused_loss: bool = False) -> MegatronInstrumentation:
     """Attach ``metrics`` (default: accuracy, log-prob, entropy, loss) to a Megatron model.
 
     ``model`` is a model or the list of model chunks (virtual pipeline stages)
@@ -319,10 +332,12 @@ def instrument(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     A model with megatron-core MoE layers also reports routing health (``moe/...``
     keys, see :mod:`.moe_routing`) in the same sync; ``moe_routing=False`` leaves
     the routers alone, ``moe_per_layer=True`` adds the per-layer keys.
+
+    ``fused_loss=True``: the model's loss and the statistics from one pass (see :mod:`.fused_loss`).
     """
     return MegatronInstrumentation(model, metrics, vocab_size=vocab_size, ignore_index=ignore_index,
                                    loss_key=loss_key, group_names=group_names, group_key=group_key,
-                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer)
+                                   moe_routing=moe_routing, moe_per_layer=moe_per_layer, fused_loss=fused_loss)
 
 
 # ------------------------------------------------------------------ helpers
