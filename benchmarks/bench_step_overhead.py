@@ -188,7 +188,8 @@ def main(argv=None) -> None:
         tp = {"tp2": 2, "dp2": 1}[name]
         result = run_distributed(worker, 2, args=(args, tp), timeout=3600)[0]
         for mode, (ratio, seconds, low, high) in result.items():
-            print(f"{name:<8} {mode:<22} {seconds * 1e3:9.1f} {ratio - 1:+9.1%} {f'{low - 1:+.1%}..{high - 1:+.1%}':>16}")
+            spread = f"{low - 1:+.1%}..{high - 1:+.1%}"
+            print(f"{name:<8} {mode:<22} {seconds * 1e3:9.1f} {ratio - 1:+9.1%} {spread:>16}")
 
 
 if __name__ == "__main__":

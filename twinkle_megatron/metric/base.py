@@ -325,6 +325,13 @@ class Metric(_Base):
         """
         return None
 
+    data_sized_sum: ClassVar[bool] = False
+    """True for a metric with a SUM state shaped by its data (see :mod:`.sync`): :meth:`sync_data_sized_sum`."""
+
+    def sync_data_sized_sum(self) -> Optional[torch.Tensor]:
+        """This rank's ``[rows, cols]`` data-sized SUM state, or None where it has none (no data yet)."""
+        return None
+
     def extra_state(self, states: SyncedStates) -> dict[str, Any]:
         """Host-side entries of :meth:`state_dict`, from the synced states (the same on every rank)."""
         return {}
