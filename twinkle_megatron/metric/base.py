@@ -171,8 +171,14 @@ class Metric(_Base):
         self._states = {k: v.to(device) for k, v in self._states.items()}
 
     def _add(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        value = self._as_state(name, value)
-        self._states[name] = self._states[name] + value
+        # In place, without a float64 copy of the value first: one op per update (a launch on accelerators).
+        state = self._states[name]
+        if not isinstance(value, torch.Tensor):
+            state.add_(float(value))  # a Python number is a kernel argument: no fill, no host sync
+        elif value.device == state.device and value.shape == state.shape and not value.dtype.is_complex:
+            state.add_(value.detach())
+        else:
+            self._states[name] = state + self._as_state(name, value)
 
     def _maximum(self, name: str, value: Union[torch.Tensor, Number]) -> None:
         value = self._as_state(name, value)

@@ -6,8 +6,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 from .base import Metric, Number, StateValues
 from .groups import TokenGroups
-from .inputs import call_value, microbatches, token_mask
-from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
+from .inputs import call_value, microbatches
+from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, microbatch_token_stats, shared_token_classes
 
 
 class LogitsMetric(Metric):
@@ -53,8 +53,7 @@ class LogitsMetric(Metric):
                                              self.cp_gathered, self.group_ids_of(batch, output))
             if not aligned.counted_here:
                 continue
-            mask = token_mask(aligned.labels, aligned.completion_mask, self.ignore_index)
-            classes = classify_tokens(aligned.stats, mask)
+            mask, classes = shared_token_classes(aligned, self.ignore_index)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
             yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask)
