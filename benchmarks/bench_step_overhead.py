@@ -141,23 +141,24 @@ def worker(args: argparse.Namespace, tp: int) -> dict:
     with cpu_cuda_shim():
         ddp, config, optimizer = build(args)
         generator = torch.Generator().manual_seed(0)
-        ratios: dict[str, list] = {mode: [] for mode in MODES}
-        cpu_ratios: dict[str, list] = {mode: [] for mode in MODES}
-        times: dict[str, list] = {mode: [] for mode in MODES}
+        modes = tuple(m for m in MODES if m in args.modes.split(","))
+        ratios: dict[str, list] = {mode: [] for mode in modes}
+        cpu_ratios: dict[str, list] = {mode: [] for mode in modes}
+        times: dict[str, list] = {mode: [] for mode in modes}
         for round_index in range(1 + args.rounds):
-            order = MODES[round_index % len(MODES):] + MODES[:round_index % len(MODES)]
+            order = modes[round_index % len(modes):] + modes[:round_index % len(modes)]
             block = {}
             for mode in order:
                 data = [microbatches(args, generator) for _ in range(args.steps)]
                 block[mode] = run_block(mode, args, ddp, config, optimizer, data)
             if round_index == 0:
                 continue  # warm-up
-            for mode in MODES:
+            for mode in modes:
                 ratios[mode].append(block[mode][0] / block["plain"][0])
                 cpu_ratios[mode].append(block[mode][1] / block["plain"][1])
                 times[mode].append(block[mode][1] / args.steps)
     return {mode: (statistics.median(cpu_ratios[mode]), statistics.median(times[mode]), min(cpu_ratios[mode]),
-                   max(cpu_ratios[mode]), statistics.median(ratios[mode])) for mode in MODES}
+                   max(cpu_ratios[mode]), statistics.median(ratios[mode])) for mode in modes}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -172,6 +173,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, 'plain' among them")
     return parser.parse_args(argv)
 
 
