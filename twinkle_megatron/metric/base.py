@@ -171,11 +171,10 @@ class Metric(_Base):
         self._states = {k: v.to(device) for k, v in self._states.items()}
 
     def _add(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        # In place, without a float64 copy of the value first: one op per update (a launch on accelerators).
-        state = self._states[name]
+        state = self._states[name]  # updated in place: one op (launch) per update, no float64 copy first
         if not isinstance(value, torch.Tensor):
             state.add_(float(value))  # a Python number is a kernel argument: no fill, no host sync
-        elif value.device == state.device and value.shape == state.shape and not value.dtype.is_complex:
+        elif value.device == state.device and value.shape == state.shape:
             state.add_(value.detach())
         else:
             self._states[name] = state + self._as_state(name, value)
@@ -329,13 +328,6 @@ class Metric(_Base):
         the records of all ranks whose data counts are in ``states.records``
         when :meth:`compute` runs.
         """
-        return None
-
-    data_sized_sum: ClassVar[bool] = False
-    """True for a metric with a SUM state shaped by its data (see :mod:`.sync`): :meth:`sync_data_sized_sum`."""
-
-    def sync_data_sized_sum(self) -> Optional[torch.Tensor]:
-        """This rank's ``[rows, cols]`` data-sized SUM state, or None where it has none (no data yet)."""
         return None
 
     def extra_state(self, states: SyncedStates) -> dict[str, Any]:

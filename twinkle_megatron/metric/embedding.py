@@ -153,6 +153,7 @@ class EmbeddingMetric(Metric):
         self._add("nonfinite_losses", (~finite).sum())
 
     def sync_data_sized_sum(self) -> Optional[torch.Tensor]:
+        """This rank's per-call rows ``[calls, 2d + 2]`` (see :mod:`.sync`), or None before its first call."""
         return torch.stack(self._calls) if self._calls else None
 
     @staticmethod

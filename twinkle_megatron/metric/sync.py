@@ -12,7 +12,7 @@ every name is public, nothing here reaches into a metric's internals):
 * ``sync_records()``: picklable records to gather from every rank (or None:
   numbers only, the usual case); the records of ranks whose data counts come
   back in :attr:`SyncedStates.records`;
-* ``data_sized_sum`` (class flag) and ``sync_data_sized_sum()``: one SUM state
+* optional, ``data_sized_sum = True`` (class flag) and ``sync_data_sized_sum()``: one SUM state
   whose shape ``[rows, cols]`` only the ranks with data know (EmbeddingMetric's
   per-call sums of unit vectors: calls × embedding size); it rides in the same
   two all-reduces (see below) and comes back as :attr:`SyncedStates.data_sized_sum`;
