@@ -82,3 +82,16 @@ def test_the_fused_loss_forward_costs_a_fixed_number_of_ops(accelerator_chunks, 
     with forbid_host_sync(), CountOps() as counted:
         vocab_parallel_cross_entropy_with_stats(logits, labels, vocab_size=vocab_size)
     assert counted.launches == FUSED_BUDGET[vocab_size], counted.ops
+
+
+def test_in_place_state_updates_never_touch_a_loaded_checkpoint():
+    metric = tm.Accuracy()
+    inputs, outputs = microbatch(2, 8)
+    metric.accumulate(inputs, outputs)
+    saved = metric.state_dict()
+    before = {name: value.clone() for name, value in saved["states"].items()}
+    resumed = tm.Accuracy()
+    resumed.load_state_dict(saved)
+    resumed.accumulate(inputs, outputs)
+    assert all(torch.equal(before[name], saved["states"][name]) for name in before)
+    assert resumed.calculate()["total_tokens"] == 2 * int(before["total_tokens"])

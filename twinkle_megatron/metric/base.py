@@ -365,7 +365,7 @@ class Metric(_Base):
                                  f"{tuple(value.shape)}, expected {spec.shape}")
             if spec.reduce == "sum" and not primary:
                 value = torch.full(spec.shape, spec.identity, dtype=torch.float64)
-            loaded[name] = value.to(device)
+            loaded[name] = value.to(device).clone()  # updated in place later: never the caller's tensor
         self._states = loaded
 
     def _is_primary(self) -> bool:
