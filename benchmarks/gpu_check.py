@@ -12,7 +12,9 @@ Without a CUDA device it prints that there is none and exits 0. With one:
    float64 reference; the kernel against the torch path on ``--tokens`` x V bf16 logits with
    padding, ties, NaN/inf rows, ignored and out-of-range labels (all tokens), and against
    float64 (256 tokens); Accuracy + TokenStatsMetric in a MetricCollection on CUDA against
-   the same on CPU, with either path.
+   the same on CPU, with either path; the fused loss (``ops/fused_cross_entropy.py``) against
+   megatron-core's ``vocab_parallel_cross_entropy`` on CUDA (loss, gradient, statistics; fp32 and
+   bf16), with the time and peak memory of each.
 3. **bandwidth** -- CUDA-event medians (methods taking turns) at ``--tokens`` x V bf16 for
    each V: the device's copy bandwidth (``dst.copy_(src)`` of 1 GiB: 2 GiB moved), the
    kernel's effective bandwidth (bytes of the shard read per second, the whole
@@ -23,7 +25,8 @@ Without a CUDA device it prints that there is none and exits 0. With one:
 4. **train** -- ``examples/train_gpt.py`` under ``torchrun`` on this GPU (TE layers when TE is
    installed), its tracker's CUDA-event step times, throughput, MFU and memory statistics
    from its JSONL log; then ``benchmarks/step_overhead.py``: the same megatron-core steps
-   with and without ``instrument()``, interleaved, per-step overhead and peak memory.
+   with and without ``instrument()`` (and with ``fused_loss=True``), interleaved, per-step
+   overhead and peak memory.
 
 Goals printed next to the numbers: kernel >= 80 % of copy bandwidth, >= 3x the torch path,
 step overhead <= 1 % (hidden 2048). A correctness failure (a FAIL row) makes the exit
@@ -357,6 +360,71 @@ def section_metrics(device: torch.device) -> list[Row]:
     return rows
 
 
+def section_fused_loss(device: torch.device, tokens: int = 4096, vocab: int = 32768) -> list[Row]:
+    """The fused loss against megatron-core's ``vocab_parallel_cross_entropy`` on this device (one rank): loss,
+    logits gradient and statistics, fp32 and bf16; the time and peak memory of forward + backward of each."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from twinkle_megatron.ops import vocab_parallel_token_stats
+    from twinkle_megatron.ops.fused_cross_entropy import vocab_parallel_cross_entropy_with_stats
+
+    rows = []
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(tokens // 2, 2, vocab, generator=gen) * 3
+    labels = torch.randint(0, vocab - 37, (tokens // 2, 2), generator=gen).to(device)
+    labels[0, 0] = -100
+    grad = torch.rand(tokens // 2, 2, generator=gen).to(device)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-5)):
+        logits = base.to(device=device, dtype=dtype)
+
+        def megatron(logits=logits):
+            x = logits.clone().requires_grad_()
+            vocab_parallel_cross_entropy(x, labels).backward(grad)
+            return x
+
+        def fused(logits=logits):
+            x = logits.clone().requires_grad_()
+            loss, stats = vocab_parallel_cross_entropy_with_stats(x * 1, labels, vocab_size=vocab - 37)
+            loss.backward(grad)
+            return x, loss, stats
+
+        problems = []
+        try:
+            theirs_in = logits.clone().requires_grad_()
+            theirs = vocab_parallel_cross_entropy(theirs_in * 1, labels)
+            theirs.backward(grad)
+            ours_in, loss, stats = fused()
+            loss_rel = float(((loss - theirs).abs() / theirs.abs()).max().detach())
+            grad_rel = float((ours_in.grad.float() - theirs_in.grad.float()).norm() / theirs_in.grad.float().norm())
+            if not loss_rel <= tol:
+                problems.append(f"loss off by {loss_rel:.2e} (relative, per token)")
+            if not grad_rel <= tol:
+                problems.append(f"gradient off by {grad_rel:.2e} (relative, norm)")
+            reference = vocab_parallel_token_stats(logits, labels, vocab_size=vocab - 37, kernel="torch")
+            problems += compare("statistics vs vocab_parallel_token_stats", tuple(stats), tuple(reference), 1e-5)
+            times = time_methods({"megatron": megatron, "fused": lambda: fused()[0]}, 5, device)
+            memory = ""
+            if device.type == "cuda":
+                peaks = {}
+                for name, fn in (("megatron", megatron), ("fused", fused)):
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
+                    fn()
+                    peaks[name] = torch.cuda.max_memory_allocated(device) - before
+                memory = (f"; peak above the logits {peaks['fused'] / 2**20:,.0f} vs "
+                          f"{peaks['megatron'] / 2**20:,.0f} MiB")
+            rows.append(Row("fused loss", f"forward + backward, {tokens}x{vocab} {str(dtype)[6:]}",
+                            f"fused {times['fused'] * 1e3:.2f} ms (loss + statistics) vs Megatron's loss alone "
+                            f"{times['megatron'] * 1e3:.2f} ms{memory}"))
+        except Exception as error:  # noqa: BLE001 - a crash is a failure row
+            problems.append(f"{type(error).__name__}: {error}")
+        rows.append(Row("correctness", f"fused loss vs megatron-core vocab_parallel_cross_entropy, {str(dtype)[6:]}",
+                        "equal" if not problems else f"{len(problems)} problems", f"{tol:g} rel",
+                        "FAIL" if problems else "ok", problems))
+    return rows
+
+
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
@@ -631,6 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         group = init_single_rank(tmp)
         rows += run_section("correctness", lambda: section_ops_cases(device) + section_kernel_vs_torch(
             device, args.tokens, args.vocab) + section_metrics(device)) or []
+        rows += run_section("fused loss", lambda: section_fused_loss(device)) or []
         result = run_section("bandwidth", lambda: section_bandwidth(device, args.tokens, args.vocab, args.repeats,
                                                                     group))
         if result:

@@ -11,7 +11,9 @@ the schedule from ``get_forward_backward_func()`` and an AdamW step. Blocks of
   [Accuracy, TokenStatsMetric])``, ``metrics.wrap(forward_step)``, and one
   ``metrics.calculate()`` at the end of the block (what a tracker does once per
   log interval), with the token statistics' local pass forced to the torch loop
-  or the Triton kernel through ``TWINKLE_MEGATRON_TOKEN_STATS_KERNEL``.
+  or the Triton kernel through ``TWINKLE_MEGATRON_TOKEN_STATS_KERNEL``;
+* ``instrumented (fused loss)``: the same with ``instrument(..., fused_loss=True)``: the model's loss and
+  the statistics from one pass (``ops/fused_cross_entropy.py``).
 
 A block's time is measured with CUDA events on a GPU (``time.perf_counter``
 after the block on CPU) and divided by its steps; the first ``warmup`` rounds
@@ -37,7 +39,10 @@ import torch
 
 from twinkle_megatron.ops.kernel_select import ENV_KERNEL
 
-MODES = ("plain", "instrumented (torch)", "instrumented (triton)")
+MODES = ("plain", "instrumented (torch)", "instrumented (triton)", "instrumented (fused loss)")
+# Per instrumented mode: the statistics' local pass forced through the environment (None: as it is), fused_loss.
+MODE_SETTINGS = {"instrumented (torch)": ("torch", False), "instrumented (triton)": ("triton", False),
+                 "instrumented (fused loss)": (None, True)}
 
 
 @dataclass(frozen=True)
@@ -189,9 +194,10 @@ def measure(spec: StepSpec, device: torch.device,
         for mode in order:
             data = [microbatches(spec, device, generator) for _ in range(spec.steps_per_block)]
             instrumented = mode != "plain"
-            kernel = mode[mode.index("(") + 1:-1] if instrumented else None
+            kernel, fused = MODE_SETTINGS.get(mode, (None, False))
             metrics = instrument(model, [Accuracy(vocab_size=spec.vocab_size),
-                                         TokenStatsMetric(vocab_size=spec.vocab_size)]) if instrumented else None
+                                         TokenStatsMetric(vocab_size=spec.vocab_size)],
+                                 fused_loss=fused) if instrumented else None
             step = metrics.wrap(forward_step) if instrumented else forward_step
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

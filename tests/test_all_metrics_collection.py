@@ -74,10 +74,10 @@ def accumulate_collectives(layout: Layout, _) -> dict:
 
 
 def calculate_collectives(_, variant: tuple) -> dict:
-    """One SUM and one MAX all-reduce for the states of all metrics; object records (GRPO's top-K tokens,
-    the embeddings' per-call sums) share one all-gather, only when present."""
-    top_k, with_embedding = variant
-    return {"all_reduce": 2, **({"all_gather": 2} if top_k or with_embedding else {})}
+    """One SUM and one MAX all-reduce for the states of all metrics (the embeddings' per-call sums included);
+    GRPO's top-K token records add one all-gather, only when enabled."""
+    top_k, _ = variant
+    return {"all_reduce": 2, **({"all_gather": 2} if top_k else {})}
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)], ids=str)

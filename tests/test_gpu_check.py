@@ -156,7 +156,7 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
                 vocab_size=100, steps_per_block=1, rounds=2, warmup=0, te=False)
     out = run_distributed(_overhead_worker, layout=Layout(), args=(spec,), timeout=300)[0]
     results = out["results"]
-    assert set(results) == {"plain", "instrumented (torch)", "instrumented (triton)"}
+    assert set(results) == {"plain", "instrumented (torch)", "instrumented (triton)", "instrumented (fused loss)"}
     for mode, (seconds, metrics) in results.items():
         assert len(seconds) == 2 and all(s > 0 for s in seconds), mode
         if mode == "plain":
@@ -181,6 +181,7 @@ def _sections_worker() -> list:
     rows = gpu_check.section_ops_cases(device)
     rows += gpu_check.section_kernel_vs_torch(device, tokens=16, vocabs=[300])
     rows += gpu_check.section_metrics(device)
+    rows += gpu_check.section_fused_loss(device, tokens=64, vocab=512)
     bandwidth_rows, facts = gpu_check.section_bandwidth(device, 8, [256], repeats=1, group=group, copy_bytes=1 << 20)
     rows += bandwidth_rows
     rows += gpu_check.section_sweep(device, 4, 256, repeats=1, copy_bw=facts["copy_bandwidth"])[0]
@@ -210,6 +211,6 @@ def test_gpu_sections_dry_run_on_cpu() -> None:
     configs = set(gpu_check.SWEEP) | {launch_config(256, 2)}
     assert sum(c.startswith("local pass block=") for c in checks) == len(configs)
     assert len(facts["speedups"]) == 1 and facts["speedups"][0] > 0 and facts["copy_bandwidth"] > 0
-    assert sum(r.section == "correctness" and r.check.startswith("metrics of the instrumented") for r in rows) == 2
+    assert sum(r.section == "correctness" and r.check.startswith("metrics of the instrumented") for r in rows) == 3
     assert exit_code(rows) == 0
     print(format_table(rows))

@@ -49,6 +49,7 @@ from ..metric.logits_pass import logits_token_stats
 from ..metric.sample_losses import SampleLosses
 from ..parallel import ParallelContext
 from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
+from .fused_loss import FusedLoss, check_fused_loss
 from .hook_failures import HookFailures, MetricHookError
 from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
@@ -88,6 +89,9 @@ class MegatronInstrumentation:
     ``seq_length`` (default metrics): likewise per bucket of token positions
     (``loss/pos_0-511``...; see :mod:`twinkle_megatron.metric.positions`).
 
+    ``fused_loss=True``: the model's language-model loss and the statistics from one pass over the logits, with
+    Megatron's own gradient (see :mod:`.fused_loss`; what it refuses and why).
+
     Megatron-core MoE layers also report routing health (``moe/...``, see
     :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
     routers alone, ``moe_per_layer=True`` adds the per-layer keys.
@@ -99,7 +103,7 @@ class MegatronInstrumentation:
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
                  moe_routing: bool = True, moe_per_layer: bool = False,
                  loss_reports: Optional[bool] = None, position_buckets: Any = None,
-                 seq_length: Optional[int] = None) -> None:
+                 seq_length: Optional[int] = None, fused_loss: bool = False) -> None:
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names, position_buckets, seq_length)
         self._failures = HookFailures()
@@ -133,10 +137,15 @@ class MegatronInstrumentation:
         self._chunks_seen: dict[int, torch.nn.Module] = {}
         self._hooked: set[int] = set()
         self._failure_warned = False
+        # With fused_loss the statistics come from the loss's own pass (megatron/fused_loss.py), not a hook.
+        self.fused_loss = FusedLoss(self._capture_stats, lambda: self.context.tp_group, self.vocab_size,
+                                    ignore_index) if fused_loss else None
         self._attach(chunks)
 
     def _attach(self, chunks: Sequence[torch.nn.Module]) -> None:
         """Hooks on the language models of ``chunks`` not hooked yet (a chunk may come wrapped or unwrapped)."""
+        if self.fused_loss is not None:
+            check_fused_loss(chunks)  # before any hook is attached: a refusal leaves the model as it was
         for gpt in language_models(chunks):
             if id(gpt) in self._hooked:
                 continue
@@ -144,8 +153,11 @@ class MegatronInstrumentation:
             # The signature is read once here, not per microbatch.
             before = functools.partial(self._before_model, inspect.signature(gpt.forward))
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
-            self._handles.append(gpt.output_layer.register_forward_hook(
-                functools.partial(self._after_output_layer, mtp_heads(gpt)), with_kwargs=True))
+            if self.fused_loss is not None:
+                self.fused_loss.attach(gpt)
+            else:
+                self._handles.append(gpt.output_layer.register_forward_hook(
+                    functools.partial(self._after_output_layer, mtp_heads(gpt)), with_kwargs=True))
 
     def _attach_lazily(self, model: Any) -> None:
         """On a chunk's first microbatch: its hooks (virtual pipeline stages arrive one chunk per call)."""
@@ -187,6 +199,9 @@ class MegatronInstrumentation:
             self._captured = {**self._current, "stats": stats}
         except Exception as error:  # noqa: BLE001
             self._failures.record("output_layer hook", error)
+
+    def _capture_stats(self, labels: torch.Tensor, stats: Any) -> None:  # the fused loss's statistics
+        self._captured = {**self._current, "labels": labels, "stats": stats}
 
     # ----------------------------------------------------------- forward_step
 
@@ -371,6 +386,8 @@ class MegatronInstrumentation:
         self._handles.clear()
         self._hooked.clear()
         self._chunks_seen.clear()
+        if self.fused_loss is not None:
+            self.fused_loss.detach()
         if self.moe is not None:
             self.moe.detach()
         self._captured = None

@@ -187,8 +187,13 @@ class Metric(_Base):
         self._states = {k: v.to(device) for k, v in self._states.items()}
 
     def _add(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        value = self._as_state(name, value)
-        self._states[name] = self._states[name] + value
+        state = self._states[name]  # updated in place: one op (launch) per update, no float64 copy first
+        if not isinstance(value, torch.Tensor):
+            state.add_(float(value))  # a Python number is a kernel argument: no fill, no host sync
+        elif value.device == state.device and value.shape == state.shape:
+            state.add_(value.detach())
+        else:
+            self._states[name] = state + self._as_state(name, value)
 
     def _maximum(self, name: str, value: Union[torch.Tensor, Number]) -> None:
         value = self._as_state(name, value)
@@ -375,7 +380,7 @@ class Metric(_Base):
                                  f"{tuple(value.shape)}, expected {spec.shape}")
             if spec.reduce == "sum" and not primary:
                 value = torch.full(spec.shape, spec.identity, dtype=torch.float64)
-            loaded[name] = value.to(device)
+            loaded[name] = value.to(device).clone()  # updated in place later: never the caller's tensor
         self._states = loaded
 
     def _is_primary(self) -> bool:

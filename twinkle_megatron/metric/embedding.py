@@ -1,32 +1,28 @@
 r"""EmbeddingMetric: anchor/positive similarity and in-batch negatives over the global batch.
 
-**Cross-rank data without a gather of embeddings.** Twinkle all-gathers every
-embedding of every rank (sizing its buffers by the world size while gathering
-on the DP group, which breaks with TP/PP/CP > 1). Here nothing but sums cross
-ranks. With unit vectors ``â_i`` (anchors) and ``p̂_i`` (their positives), the
-in-batch negative similarities of a batch of ``n`` anchors add up to
+**Cross-rank data without a gather.** Twinkle all-gathers every embedding of
+every rank at every call (sizing its buffers by the world size while gathering
+on the DP group, which breaks with TP/PP/CP > 1). Here only sums cross ranks.
+Twinkle's ``neg_sim`` is the mean, over the accumulate calls and over the
+ordered pairs ``i ≠ j`` of anchors of a call's global batch (all ranks' rows),
+of ``â_i·p̂_j`` (with unit vectors: the cosine, as DESIGN decides, where Twinkle
+takes raw dot products). Per call ``c`` with ``n_c`` anchors:
 
-    Σ_{i≠j} â_i·p̂_j = (Σ_i â_i)·(Σ_j p̂_j) − Σ_i â_i·p̂_i
+    Σ_{i≠j} â_i·p̂_j = (Σ_i â_i)·(Σ_j p̂_j) − Σ_i â_i·p̂_i,     pairs: n_c (n_c − 1)
 
-so a rank only needs its ``Σ â``, ``Σ p̂`` (two ``d``-vectors), its anchor count
-and its positive-similarity sum per ``accumulate`` call. Positive
-similarities (sum, min, max, count) are ordinary states; the per-call vectors
-travel in the collection's one object all-gather over the reduction group
-(ranks that do not hold data contribute nothing), so any TP×PP×CP×DP layout
-and any per-rank batch size work, and the bytes sent are ``O(d)`` per rank
-and call instead of ``O(n·d)``. The product of the global sums happens in
-``compute``, after the gather: the result equals the single-process one.
-
-Cost: a collection holding an ``EmbeddingMetric`` issues the object all-gather
-at every ``calculate()`` (three collectives in all instead of two), since
-``d`` is not known when the states are declared. An ``embedding_dim`` keyword
-that declared ``[calls, d]`` SUM states would remove it; not done yet.
+and each sum over the global batch is the sum over ranks of the ranks' sums.
+So a rank keeps, per call, one row ``[Σâ (d), Σp̂ (d), n, Σ â·p̂]``; the rows are
+one data-sized SUM state ``[calls, 2d + 2]`` (see :mod:`.sync`) that rides in
+the collection's two all-reduces: ``O(calls·d)`` bytes per rank, the same at any
+number of ranks, and no object gather. The dot product of the global sums is
+taken in ``compute``, after the sum: the result equals the single-process one.
+The product is bilinear in the sums, so the sums must stay per call (pooling
+the calls would add cross-call pairs that Twinkle does not count).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Mapping, Optional, Union
+from typing import Any, ClassVar, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +89,9 @@ class EmbeddingMetric(Metric):
         self.add_state("grad_norm", "max")
         for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):
             self.add_state(name, "sum")
-        self._calls: list[tuple] = []  # per call with anchors: call index, Σâ, Σp̂, anchors, Σ cos(â, p̂)
-        self._call_count = 0  # calls since the last calculate(): ranks call in lockstep, so indices agree
+        self._calls: list[torch.Tensor] = []  # per call: [Σâ (d), Σp̂ (d), anchors, Σ cos(â, p̂)]
+
+    data_sized_sum: ClassVar[bool] = True
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         """Add one call's anchors (its rows form one in-batch-negatives batch); ``grad_norm`` is a
@@ -119,15 +116,15 @@ class EmbeddingMetric(Metric):
                                  f"but labels has {batch_labels.shape[0]} values (microbatch {index})")
             sentences.append(embeddings)
             labels.append(batch_labels)
-        anchors = self._accumulate_call(torch.cat(sentences), torch.cat(labels)) if sentences else 0.0
-        self._call_count += 1
+        anchors = self._accumulate_call(torch.cat(sentences), torch.cat(labels))
         self._accumulate_loss(outputs.get("loss"), anchors)
 
     def _accumulate_call(self, sentences: torch.Tensor, labels: torch.Tensor) -> Union[torch.Tensor, float]:
         """Add one call's anchors; returns their number (a device count)."""
         finite_rows = torch.isfinite(sentences).all(-1)
         self._add("nonfinite_embeddings", (~finite_rows).sum())
-        if sentences.shape[0] < 2:
+        if sentences.shape[0] < 2:  # no anchor with a positive: an empty row keeps the calls in step
+            self._calls.append(torch.zeros(2 * sentences.shape[-1] + 2, dtype=torch.float64, device=sentences.device))
             return 0.0
         unit = F.normalize(torch.where(finite_rows[:, None], sentences.to(torch.float64), 0.0), dim=-1)
         anchors, positives = unit[:-1], unit[1:]
@@ -141,8 +138,8 @@ class EmbeddingMetric(Metric):
         self._minimum("pos_sim_min", torch.where(is_anchor, similarity, inf).min())
         self._maximum("pos_sim_max", torch.where(is_anchor, similarity, -inf).max())
         weights = is_anchor.to(torch.float64)[:, None]
-        self._calls.append((self._call_count, (anchors * weights).sum(0), (positives * weights).sum(0), is_anchor.sum(),
-                            positive_sum))
+        self._calls.append(torch.cat([(anchors * weights).sum(0), (positives * weights).sum(0),
+                                      is_anchor.sum().to(torch.float64).reshape(1), positive_sum.reshape(1)]))
         return is_anchor.sum()
 
     def _accumulate_loss(self, loss: Any, anchors: Union[torch.Tensor, float]) -> None:
@@ -158,26 +155,20 @@ class EmbeddingMetric(Metric):
         self._add("loss_weight", weight)
         self._add("nonfinite_losses", (~finite).sum())
 
-    def sync_records(self) -> Optional[list]:
-        # calculate() time: reading the per-call sums on the host is allowed here.
-        return [(call, anchor_sum.tolist(), positive_sum.tolist(), int(anchors), float(positive_similarity))
-                for call, anchor_sum, positive_sum, anchors, positive_similarity in self._calls]
+    def sync_data_sized_sum(self) -> Optional[torch.Tensor]:
+        """This rank's per-call rows ``[calls, 2d + 2]`` (see :mod:`.sync`), or None before its first call."""
+        return torch.stack(self._calls) if self._calls else None
 
-    def _negative_similarity(self, records: list) -> tuple[float, int]:
-        """(Σ over calls of Σ_{i≠j} cos(â_i, p̂_j), number of such pairs), from all ranks' per-call sums."""
-        per_call: dict[int, list] = defaultdict(lambda: [0.0, 0.0, 0, 0.0])
-        for call, anchor_sum, positive_sum, anchors, positive_similarity in records:
-            totals = per_call[call]
-            totals[0] = totals[0] + torch.tensor(anchor_sum, dtype=torch.float64)
-            totals[1] = totals[1] + torch.tensor(positive_sum, dtype=torch.float64)
-            totals[2] += anchors
-            totals[3] += positive_similarity
-        negative_sum, negative_pairs = 0.0, 0
-        for anchor_sum, positive_sum, anchors, positive_similarity in per_call.values():
-            if anchors > 1:
-                negative_sum += float(torch.dot(anchor_sum, positive_sum)) - positive_similarity
-                negative_pairs += anchors * (anchors - 1)
-        return negative_sum, negative_pairs
+    @staticmethod
+    def _negative_similarity(calls: Optional[torch.Tensor]) -> tuple[float, float]:
+        """(Σ over calls of Σ_{i≠j} cos(â_i, p̂_j), number of such pairs) from the global per-call sums."""
+        if calls is None:
+            return 0.0, 0.0
+        d = (calls.shape[1] - 2) // 2
+        anchors = calls[:, 2 * d]
+        negative = (calls[:, :d] * calls[:, d:2 * d]).sum(-1) - calls[:, 2 * d + 1]
+        several = anchors > 1
+        return float(torch.where(several, negative, 0.0).sum()), float((anchors * (anchors - 1)).sum())
 
     def compute(self, states: StateValues) -> dict[str, Number]:
         results: dict[str, Number] = {}
@@ -185,7 +176,7 @@ class EmbeddingMetric(Metric):
             results["pos_sim"] = states["pos_sim_sum"] / states["pos_count"]
             results["pos_sim_min"] = states["pos_sim_min"]
             results["pos_sim_max"] = states["pos_sim_max"]
-        negative_sum, negative_pairs = self._negative_similarity(states.records)
+        negative_sum, negative_pairs = self._negative_similarity(states.data_sized_sum)
         if negative_pairs > 0:
             results["neg_sim"] = negative_sum / negative_pairs
         if states["loss_weight"] > 0:
@@ -200,27 +191,18 @@ class EmbeddingMetric(Metric):
     def reset(self) -> None:
         super().reset()
         self._calls = []
-        self._call_count = 0
 
     def extra_state(self, states: StateValues) -> dict[str, Any]:
-        """The per-call sums of all ranks, merged per call (the state is layout-free)."""
-        merged: dict[int, list] = {}
-        for call, anchor_sum, positive_sum, anchors, positive_similarity in states.records:
-            totals = merged.setdefault(call, [torch.zeros(len(anchor_sum), dtype=torch.float64),
-                                              torch.zeros(len(positive_sum), dtype=torch.float64), 0, 0.0])
-            totals[0] += torch.tensor(anchor_sum, dtype=torch.float64)
-            totals[1] += torch.tensor(positive_sum, dtype=torch.float64)
-            totals[2] += anchors
-            totals[3] += positive_similarity
-        return {"calls": [(call, *totals) for call, totals in sorted(merged.items())], "call_count": self._call_count}
+        """The per-call sums of all ranks (the state is layout-free)."""
+        return {"calls": states.data_sized_sum}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue under any layout: the merged per-call sums go to the primary rank only."""
+        """Continue under any layout: the per-call sums go to the primary rank, zeros of their shape elsewhere
+        (every rank with data then holds as many calls)."""
         super().load_state_dict(state_dict)
-        device = self._state_device()
-        calls = state_dict.get("calls", []) if self._is_primary() else []
-        self._calls = [(call, anchor_sum.to(device), positive_sum.to(device),
-                        torch.tensor(float(anchors), dtype=torch.float64),
-                        torch.tensor(float(positive_similarity), dtype=torch.float64))
-                       for call, anchor_sum, positive_sum, anchors, positive_similarity in calls]
-        self._call_count = state_dict.get("call_count", 0)
+        calls = state_dict.get("calls")
+        if calls is None:
+            self._calls = []
+            return
+        calls = torch.as_tensor(calls, dtype=torch.float64).to(self._state_device())
+        self._calls = list(calls if self._is_primary() else torch.zeros_like(calls))

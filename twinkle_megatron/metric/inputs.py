@@ -222,12 +222,15 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def token_mask(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None,
-               ignore_index: int = -100) -> torch.Tensor:
-    """Tokens that count: ``labels != ignore_index`` and ``completion_mask`` where given."""
+               ignore_index: int = -100, real: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tokens that count: ``labels != ignore_index``, ``completion_mask`` where given, and ``real`` where given
+    (the real tokens of packed rows: the padding between packed sequences never counts)."""
     mask = labels != ignore_index
     if completion_mask is not None:
         check_same_shape("labels", labels, "completion_mask", completion_mask)
         mask = mask & completion_mask.to(torch.bool)
+    if real is not None:
+        mask = mask & real.to(mask.device)
     return mask
 
 

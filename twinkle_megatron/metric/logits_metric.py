@@ -6,10 +6,10 @@ from typing import Any, Iterator, Mapping, Optional
 
 from .base import Metric, Number, StateValues
 from .groups import TokenGroups
-from .inputs import call_value, microbatches, token_mask
+from .inputs import call_value, microbatches
 from .keywords import check_layout_declared
-from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, classify_tokens, microbatch_token_stats
-from .positions import only_real, positions_where_needed
+from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, microbatch_token_stats, shared_token_classes
+from .positions import positions_where_needed
 
 
 class LogitsMetric(Metric):
@@ -64,8 +64,7 @@ class LogitsMetric(Metric):
                 continue
             positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.complete,
                                                      self.position_buckets)
-            mask = only_real(token_mask(aligned.labels, aligned.completion_mask, self.ignore_index), real)
-            classes = classify_tokens(aligned.stats, mask)
+            mask, classes = shared_token_classes(aligned, self.ignore_index, real)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
             yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask, positions)

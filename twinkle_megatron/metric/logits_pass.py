@@ -21,7 +21,7 @@ import torch
 from ..ops import TokenStats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
 from .context_parallel import align_to_cp_rank, local_sequence_length
-from .inputs import to_device
+from .inputs import to_device, token_mask
 
 LAYOUTS = ("bsv", "sbv")
 
@@ -167,8 +167,33 @@ class TokenClasses(NamedTuple):
 
 
 def classify_tokens(stats: TokenStats, mask: torch.Tensor) -> TokenClasses:
-    """Split the tokens of ``mask`` by what the statistics say about them (device ops only)."""
+    """Split the tokens of ``mask`` by what the statistics say about them (device ops only).
+
+    The ops give a NaN log-prob to every token with a non-finite logit or a label outside the
+    vocabulary (and 0 to ignored labels, which ``mask`` leaves out), so a counted token is one
+    whose log-prob is a number; a NaN one is non-finite when its entropy is, else an invalid label.
+    """
     mask = to_device(mask, stats.entropy.device)
+    scored = ~torch.isnan(stats.logprobs)
     finite = torch.isfinite(stats.entropy)
-    valid_label = ~torch.isnan(stats.logprobs)
-    return TokenClasses(mask & finite & valid_label, mask & ~finite, mask & finite & ~valid_label)
+    return TokenClasses(mask & scored, mask & ~finite, mask & finite & ~scored)
+
+
+def shared_token_classes(batch: TokenBatch, ignore_index: int,
+                         real: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, TokenClasses]:
+    """``(mask, classes)`` of a microbatch, computed once per microbatch for all metrics of a collection.
+
+    ``real``: the real tokens of packed rows (the padding between packed sequences is never counted), None for
+    unpacked rows. Inside :func:`sharing_token_stats` the result is kept next to the statistics it was made from
+    (the same labels, mask, real tokens and statistics objects give the same classes).
+    """
+    key = ("classes", id(batch.stats), id(batch.labels), id(batch.completion_mask), id(real), ignore_index)
+    cache = _cache.get()
+    if cache is not None and key in cache:
+        return cache[key][:2]
+    mask = token_mask(batch.labels, batch.completion_mask, ignore_index, real)
+    result = (mask, classify_tokens(batch.stats, mask))
+    if cache is not None:
+        # The keyed objects are kept with the entry: their ids cannot be reused while the block lasts.
+        cache[key] = (*result, batch.stats, batch.labels, batch.completion_mask, real)
+    return result

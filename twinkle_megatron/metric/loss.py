@@ -9,7 +9,7 @@ import torch
 from .base import Metric, Number, StateValues
 from .context_parallel import align_to_cp_rank, local_sequence_length
 from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask
-from .positions import only_real, positions_where_needed
+from .positions import positions_where_needed
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -159,8 +159,8 @@ class LossMetric(Metric):
         if not aligned.counted_here(self.context):
             return loss, None, None, ids, None
         positions, real = positions_where_needed(batch, labels, self.context, aligned.complete, self.position_buckets)
-        mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index), loss.device)
-        mask = only_real(mask, real)
+        mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index, real),
+                         loss.device)
         valid = mask & torch.isfinite(loss)
         return loss, valid, mask & ~valid, ids, positions
 

@@ -112,8 +112,3 @@ def positions_where_needed(batch: Any, like: torch.Tensor, context: ParallelCont
     if buckets is None and packed_cu_seqlens(batch) is None:
         return None, None
     return token_positions(batch, like, context, complete)
-
-
-def only_real(mask: torch.Tensor, real: Optional[torch.Tensor]) -> torch.Tensor:
-    """``mask`` without the padding of a packed row (``real`` None: nothing to leave out)."""
-    return mask if real is None else mask & real.to(mask.device)

@@ -12,6 +12,10 @@ every name is public, nothing here reaches into a metric's internals):
 * ``sync_records()``: picklable records to gather from every rank (or None:
   numbers only, the usual case); the records of ranks whose data counts come
   back in :attr:`SyncedStates.records`;
+* optional, ``data_sized_sum = True`` (class flag) and ``sync_data_sized_sum()``: one SUM state
+  whose shape ``[rows, cols]`` only the ranks with data know (EmbeddingMetric's
+  per-call sums of unit vectors: calls × embedding size); it rides in the same
+  two all-reduces (see below) and comes back as :attr:`SyncedStates.data_sized_sum`;
 * ``counts_here()``: whether this rank's records count;
 * ``results(states)``: the metric's results from its synced states
   (:class:`~.base.Metric` runs its ``compute`` on the global states and on each
@@ -37,6 +41,14 @@ up to the same multiple; ranks whose MAX buffers differ by a quantum or more
 cannot be told apart without one more collective on every step, and meet a
 mismatched all-reduce (gloo raises, NCCL may hang). Records, when any metric
 has them, cost one more collective (an object all-gather).
+
+**Data-sized sums** cost no collective of their own: after the header, the MAX
+buffer carries each such metric's ``(rows, cols, −rows, −cols)`` from the ranks
+whose data counts (``−inf`` from the others), so after the MAX every rank knows
+the agreed shape, or that the ranks with data disagree (then every rank raises
+:class:`MetricSyncError` before the SUM); the SUM buffer then carries
+``rows × cols`` values from every rank (zeros from ranks without data). Bytes
+per rank are the state's size, whatever the number of ranks.
 
 **Metrics written Twinkle's way** (their own ``calculate()``, e.g. with
 ``gather_results``) are not synced here: :func:`calculate_metrics` calls their
@@ -65,9 +77,11 @@ class MetricSyncError(RuntimeError):
 class SyncedStates(dict):
     """A metric's globally reduced states (scalars as floats, others as CPU tensors) and gathered ``records``."""
 
-    def __init__(self, states: dict, records: Optional[list] = None) -> None:
+    def __init__(self, states: dict, records: Optional[list] = None,
+                 data_sized_sum: Optional[torch.Tensor] = None) -> None:
         super().__init__(states)
         self.records: list = list(records or [])
+        self.data_sized_sum = data_sized_sum  # [rows, cols] summed over the ranks with data; None: no rank had any
 
 
 def syncs_declared_states(calculate: Callable) -> Callable:
@@ -170,6 +184,9 @@ def sync(metrics: Sequence[Any]) -> list[SyncedStates]:
                 sums.append(flat)
             else:
                 maxes.append(flat if spec.reduce == "max" else -flat)
+    sized = [(m, m.sync_data_sized_sum() if m.counts_here() else None) for m in metrics
+             if getattr(m, "data_sized_sum", False)]
+    maxes = [_shape_slots(local, device) for _, local in sized] + maxes
     sum_buffer = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
     max_buffer = _with_header(torch.cat(maxes) if maxes else torch.zeros(0, dtype=torch.float64, device=device),
                               signature(metrics), sum_buffer.numel())
@@ -178,7 +195,12 @@ def sync(metrics: Sequence[Any]) -> list[SyncedStates]:
         header, reduced_maxes = reduced_maxes[:_HEADER], reduced_maxes[_HEADER:]
         if not bool((header[0::2] == -header[1::2]).all()):
             raise _mismatch(context, metrics)
-        reduced_sums, _ = all_reduce_sum_and_max(context, sum_buffer, None)
+        shapes = _agreed_shapes(sized, reduced_maxes[:4 * len(sized)].tolist())
+        reduced_maxes = reduced_maxes[4 * len(sized):]
+        tails = [local.reshape(-1).to(device=device, dtype=torch.float64) if local is not None else
+                 torch.zeros(rows * cols, dtype=torch.float64, device=device)
+                 for (_, local), (rows, cols) in zip(sized, shapes)]
+        reduced_sums, _ = all_reduce_sum_and_max(context, torch.cat([sum_buffer, *tails]), None)
         records = _gather_records(context, metrics)
     except MetricSyncError:
         raise
@@ -188,7 +210,41 @@ def sync(metrics: Sequence[Any]) -> list[SyncedStates]:
             "state_dict()) are collective: every rank of the reduction group must call them, with the same "
             "metrics in the same order; a rank that did not (an early return, a metric called on some pipeline "
             "stages only) leaves the others waiting until the process group's timeout") from error
-    return _unpack(metrics, reduced_sums, reduced_maxes, records)
+    synced = _unpack(metrics, reduced_sums, reduced_maxes, records)
+    offset = sum_buffer.numel()
+    by_metric = {id(m): states for m, states in zip(metrics, synced)}
+    for (metric, _), (rows, cols) in zip(sized, shapes):
+        if rows * cols:
+            by_metric[id(metric)].data_sized_sum = reduced_sums[offset:offset + rows * cols].reshape(rows, cols)
+        offset += rows * cols
+    return synced
+
+
+def _shape_slots(local: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``(rows, cols, −rows, −cols)`` of this rank's data-sized sum; ``−inf`` (no say) without one."""
+    if local is None:
+        return torch.full((4,), float("-inf"), dtype=torch.float64, device=device)
+    if local.dim() != 2:
+        raise ValueError(f"sync_data_sized_sum() must return a [rows, cols] tensor, got shape {tuple(local.shape)}")
+    rows, cols = local.shape
+    return torch.tensor([rows, cols, -rows, -cols], dtype=torch.float64, device=device)
+
+
+def _agreed_shapes(sized: Sequence[tuple[Any, Optional[torch.Tensor]]], slots: list[float]) -> list[tuple[int, int]]:
+    """The shape every rank with data reported (``(0, 0)`` when none had data); ``MetricSyncError`` when they differ."""
+    shapes = []
+    for index, (metric, _) in enumerate(sized):
+        high_rows, high_cols, low_rows, low_cols = slots[4 * index:4 * index + 4]
+        if high_rows == float("-inf"):
+            shapes.append((0, 0))
+            continue
+        if (high_rows, high_cols) != (-low_rows, -low_cols):
+            raise MetricSyncError(
+                f"twinkle-megatron: {type(metric).__name__}'s data-sized state differs between the ranks with data "
+                f"(rows {-low_rows:.0f}..{high_rows:.0f}, columns {-low_cols:.0f}..{high_cols:.0f}): every rank "
+                "must call accumulate() as many times, with data of the same width")
+        shapes.append((int(high_rows), int(high_cols)))
+    return shapes
 
 
 def signature(metrics: Sequence[Any]) -> int:
