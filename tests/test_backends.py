@@ -33,13 +33,15 @@ import pytest
 from twinkle_megatron import TrainMetric
 from twinkle_megatron.logging import (
     JsonlBackend,
+    MetricsLogger,
     MlflowBackend,
     SwanLabBackend,
     TensorBoardBackend,
     WandbBackend,
     read_jsonl,
 )
-from twinkle_megatron.logging.mlflow import SUPERSEDED_BY_TAG, mlflow_key
+from twinkle_megatron.logging.mlflow import KEY_NAMES_TAG, SUPERSEDED_BY_TAG
+from twinkle_megatron.logging.mlflow_names import mlflow_key
 from twinkle_megatron.tracker import MetricsTracker
 
 PACKAGES = ("tensorboard", "wandb", "mlflow", "swanlab")
@@ -518,7 +520,70 @@ def test_mlflow_keys_twinkle_names_are_logged_not_fatal(tmp_path, monkeypatch):
     assert run.data.metrics["loss"] == 2.0
     assert run.data.metrics["learning rate_param group 1_"] == 1e-3
     assert run.data.metrics["learning rate_param group 2_"] == 5e-4
-    assert run.data.metrics["eval/profiling/Time taken_ generate"] == 1.5
+    assert run.data.metrics["eval/profiling/Time taken: generate"] == 1.5, "MLflow accepts ':': unchanged"
+
+
+# Keys MLflow accepts (its rule: Unicode word characters, digits, _ - . / : and spaces), and keys it refuses,
+# some of which become one name once their refused characters are replaced.
+ACCEPTED_KEYS = ("损失", "训练/准确率", "énergie", "Größe/Ω", "profiling/Time taken: generate", "a:b", "loss",
+                 "eval/loss", "ratio_x")
+REFUSED_KEYS = ("learning rate(param group 1)", "learning rate(param group 2)", "ratio(x)", "ratio[x]", "ratio{x}",
+                "ratio<x>", "/rooted", "a//b", "trailing/", "..parent", "x" * 300, "x" * 299 + "!")
+
+
+@needs("mlflow")
+def test_mlflow_keeps_every_key_it_accepts_and_never_merges_two(tmp_path, monkeypatch):
+    """Chinese, accented and colon keys arrive unchanged; keys that differ only in refused characters (and a
+    refused key whose replacement is an accepted key: ``ratio(x)`` → ``ratio_x_``, ``ratio_x`` is its own) arrive
+    under distinct names; nothing is dropped; the run's ``key_names`` tag says which key each new name holds, and
+    a restart keeps every name."""
+    from mlflow import MlflowClient
+    from mlflow.utils.validation import _validate_metric_name
+
+    _environment(monkeypatch, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keys_ = ACCEPTED_KEYS + REFUSED_KEYS
+    for key in ACCEPTED_KEYS:
+        _validate_metric_name(key)  # MLflow's own check: these are accepted as they are
+    values = {key: float(index) for index, key in enumerate(keys_)}
+
+    def attempt(first_step, steps, offset):
+        logger = MetricsLogger([MlflowBackend(experiment="keys", tracking_uri=uri)], log_dir=str(tmp_path))
+        logger.start(first_step, {"数据集": "wiki", "a(b)": 1, "a_b_": 2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # nothing dropped, no backend disabled
+            for step in steps:
+                logger.log({key: value + offset for key, value in values.items()}, step)
+        logger.close()
+
+    attempt(1, [1, 2], 0.0)
+    attempt(2, [2, 3], 100.0)  # a restart at step 2: the run is superseded, and every key keeps its name
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("keys").experiment_id])
+    recorded = json.loads(run.data.tags[KEY_NAMES_TAG])
+    by_key = {key: name for name, key in recorded["metrics"].items()}
+    assert set(by_key) == set(REFUSED_KEYS), "the renamed keys, each findable"
+    names = {key: by_key.get(key, key) for key in keys_}
+    assert len(set(names.values())) == len(keys_), "every key under a name of its own"
+    assert set(run.data.metrics) == set(names.values()), "nothing dropped, nothing else"
+    for key, name in names.items():
+        _validate_metric_name(name)
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [(m.step, m.value) for m in history] == [(1, values[key]), (2, values[key] + 100),
+                                                        (3, values[key] + 100)], key
+    assert names["learning rate(param group 1)"] == "learning rate_param group 1_"
+    assert names["ratio(x)"] == "ratio_x_" and names["ratio_x"] == "ratio_x", "first come, its plain name"
+    assert {names[f"ratio{b}x{e}"][:len("ratio_x_-")] for b, e in ("[]", "{}", "<>")} == {"ratio_x_-"}
+    assert names["/rooted"] == "_/rooted" and names["a//b"] == "a/_/b" and names["trailing/"] == "trailing/_"
+    assert len(names["x" * 300]) == 250 and names["x" * 299 + "!"] != names["x" * 300]
+    params = run.data.params
+    assert params["数据集"] == "wiki" and params["a_b_"] == "2"
+    assert params[recorded_param(recorded, "a(b)")] == "1" and recorded_param(recorded, "a(b)") != "a_b_"
+
+
+def recorded_param(recorded: dict, key: str) -> str:
+    (name,) = [name for name, original in recorded["params"].items() if original == key]
+    return name
 
 
 # ------------------------------------------------------------------ TensorBoard: a requeue before any checkpoint
@@ -563,3 +628,34 @@ def test_mlflow_run_id_recorded_for_another_store_starts_a_new_run(tmp_path, mon
     client = MlflowClient(tracking_uri=second_uri)
     (run,) = client.search_runs(["0"])
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(2, 2.0)]
+
+
+@needs("mlflow")
+def test_mlflow_names_follow_mlflows_own_rule():
+    """Over random keys of accepted and refused characters: what we keep is what MLflow's validator accepts, and
+    every name given is accepted by it and held by one key only."""
+    import random
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_length_limit, _validate_metric_name
+
+    from twinkle_megatron.logging.mlflow_names import MlflowNames, mlflow_accepts
+
+    def accepted(name: str) -> bool:
+        try:
+            _validate_metric_name(name)
+            _validate_length_limit("name", 250, name)
+        except MlflowException:
+            return False
+        return True
+
+    generator = random.Random(0)
+    alphabet = "ab/.: -_()[]#é损\u0301\t"
+    names, owners = MlflowNames(), {}
+    for _ in range(20_000):
+        key = "".join(generator.choice(alphabet) for _ in range(generator.randint(0, 8)))
+        key = key * 60 if generator.random() < 0.01 else key
+        assert mlflow_accepts(key) == accepted(key), repr(key)
+        name = names(key)
+        assert accepted(name) and owners.setdefault(name, key) == key, (key, name)
+        assert name == key or not accepted(key) or key in names.renamed.values()
