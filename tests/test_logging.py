@@ -339,3 +339,46 @@ def test_an_unchanged_log_is_not_rewritten(tmp_path):
     backend.open(RunStart(first_step=2))
     backend.close()
     assert path.stat().st_ino == before and not (tmp_path / "metrics.superseded.jsonl").exists()
+
+
+# ---------------------------------------------------------------- a checkpoint loaded after the tracker logged
+
+
+def test_a_rollback_in_the_same_process_supersedes_from_the_loaded_step(tmp_path):
+    """Steps 1..6 logged, the step-3 checkpoint loaded, 4..6 run again: the log holds each step once (it held
+    4, 5, 6 twice, silently); the abandoned records are kept beside it; steps pending since the last log are
+    dropped with the timeline they belong to."""
+    path = tmp_path / "metrics.jsonl"
+    tracker = MetricsTracker(log_interval=2, backends=[JsonlBackend(str(path))])
+    for step in range(1, 8):
+        tracker.end_step(step, loss=float(step), tokens=1)
+        if step == 4:
+            checkpoint = tracker.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rollback loses nothing: no warning
+        tracker.load_state_dict(checkpoint)  # step 7 ended but not logged: it belongs to the abandoned timeline
+    for step in range(5, 9):
+        tracker.end_step(step, loss=10.0 + step, tokens=1)
+    tracker.close()
+    records = read_jsonl(str(path))
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (4, 3.5), (6, 15.5), (8, 17.5)]
+    assert records[-1]["train/consumed_tokens"] == 8
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.superseded.jsonl"))] == [6]
+
+
+def test_a_checkpoint_loaded_after_an_early_record_supersedes_and_says_what_was_lost(tmp_path):
+    """An evaluation logged at step 0 before the checkpoint is loaded: the log had superseded everything from
+    step 0 when it opened; the load restarts it at 11 (nothing twice) and warns that steps 1..10 of the
+    earlier run were moved aside then."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 16)))
+    saved = {**MetricsTracker(backends=()).state_dict(), "step": 10}
+    tracker = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(path))])
+    tracker.log_eval(0, loss=3.0)
+    with pytest.warns(RuntimeWarning, match=r"restarts at step 11 after the backends opened at step 0.*steps 1\.\.10"):
+        tracker.load_state_dict(saved)
+    for step in range(11, 16):
+        tracker.end_step(step, loss=2.0)
+    tracker.close()
+    assert _steps(path) == [0, 15]
+    assert _steps(tmp_path / "metrics.superseded.jsonl") == list(range(1, 16))

@@ -69,6 +69,7 @@ class MlflowBackend(Backend):
         self.tags = dict(tags or {})
         self._client: Any = None
         self._active_run_id: Optional[str] = None
+        self.last_run_id: Optional[str] = None  # the run this backend opened last (a restart in-process continues it)
         self._owned = False
         self._metric_names = MlflowNames()
         self._param_names = MlflowNames()
@@ -88,7 +89,8 @@ class MlflowBackend(Backend):
                               "open, so the repeated steps are logged again", RuntimeWarning, stacklevel=2)
         else:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            run_id = self.run_id or (recall_run_id(run.log_dir, self.name) if run.continues else None)
+            run_id = (self.last_run_id if run.restart else None) or self.run_id or \
+                (recall_run_id(run.log_dir, self.name) if run.continues else None)
             if run_id is not None and self.run_id is None and not self._exists(run_id):
                 warnings.warn(f"MLflow run {run_id} recorded in {run.log_dir} is not in this tracking store; "
                               "starting a new run", RuntimeWarning, stacklevel=2)
@@ -98,7 +100,7 @@ class MlflowBackend(Backend):
             else:
                 run_id = self._client.create_run(self._experiment_id(), run_name=self.run_name,
                                                  tags=self.tags).info.run_id
-            self._active_run_id, self._owned = run_id, True
+            self._active_run_id, self._owned, self.last_run_id = run_id, True, run_id
             remember_run_id(run.log_dir, self.name, run_id)
         self._load_names()
         self._log_params(flatten_config(run.config))
