@@ -131,10 +131,10 @@ class WandbBackend(ExperimentBackend):
                  refused: Optional[str], offline: bool) -> None:
         """Start the successor of ``previous`` and copy the points before ``first_step`` into it."""
         earlier = wandb_history.run_record(folders[0]) if folders else {}
-        tags = [*earlier.get("tags", ()), *options.get("tags", ())]
+        tags = [*(earlier.get("tags") or ()), *(options.get("tags") or ())]
         config = {**options["config"], "twinkle_megatron": {"continues": previous}}
         successor = {**options, "config": config, "tags": list(dict.fromkeys(tags)) or None,
-                        "name": options.get("name") or earlier.get("display_name")}
+                     "name": options.get("name") or earlier.get("display_name")}
         self.start(_init(wandb, successor))
         if folders:
             points, source = wandb_history.visible_points(folders, previous, below=first_step), "its local files"
@@ -151,8 +151,7 @@ class WandbBackend(ExperimentBackend):
             failure = f"{type(error).__name__}: {error}"
         marked = "" if offline else _mark_superseded(wandb, self.run, previous)
         if refused or failure or source is None or marked.startswith("; not"):
-            missing = ("; the earlier steps could not be copied (offline, and no local folder of that run in "
-                       f"{os.path.dirname(os.path.abspath(folders[0])) if folders else 'this directory'})"
+            missing = ("; its earlier steps could not be copied (offline, and none of its run folders is here)"
                        if source is None else f"; copying stopped after {copied} step(s): {failure}" if failure
                        else f" with {copied} earlier step(s) copied from {source}")
             _warn(f"{refused or f'run {previous} is not rewound'}; it holds steps from {first_step} on, so run "
