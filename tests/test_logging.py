@@ -267,7 +267,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 def test_a_200_mb_log_resumes_within_64_mib_of_memory(tmp_path):
     """The supersede step streams: under an address-space cap of the process's size + 64 MiB, a 200 MB log resumes.
 
-    (It read the whole log with ``readlines()`` before: about 1 GB of Python strings for this log.)
+    (It read the whole log with ``readlines()`` before: a MemoryError under this cap.)
     """
     path = tmp_path / "metrics.jsonl"
     padding = "x" * 960
