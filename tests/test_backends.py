@@ -762,12 +762,12 @@ def test_mlflow_names_follow_mlflows_own_rule():
 # ------------------------------------------------------------------ a checkpoint loaded after the tracker logged
 
 
-@needs("tensorboard", "wandb", "mlflow")
+@needs(*PACKAGES)
 @pytest.mark.parametrize("rewind", [None, True], ids=["wandb-default", "wandb-rewind"])
 def test_a_late_load_state_dict_leaves_no_step_twice_in_any_backend(tmp_path, monkeypatch, rewind):
     """A rollback in the same process: steps 1..8 logged, then the step-4 checkpoint is loaded and steps 5..8 run
-    again with other values. Every backend (read with its own reader) holds each step once: 1..4 of the first
-    timeline, 5..8 of the second. (Before, the JSONL log held steps 5..8 twice, silently.)"""
+    again with other values. Every backend (read with its own reader, SwanLab's local store too) holds each step
+    once: 1..4 of the first timeline, 5..8 of the second. (Before, the JSONL log held steps 5..8 twice, silently.)"""
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -775,7 +775,8 @@ def test_a_late_load_state_dict_leaves_no_step_twice_in_any_backend(tmp_path, mo
     run_dir, uri = str(tmp_path / "run"), f"sqlite:///{tmp_path / 'mlflow.db'}"
     backends = [JsonlBackend(os.path.join(run_dir, "metrics.jsonl")), TensorBoardBackend(os.path.join(run_dir, "tb")),
                 WandbBackend(project="late", directory=run_dir, rewind=rewind),
-                MlflowBackend(experiment="late", tracking_uri=uri)]
+                MlflowBackend(experiment="late", tracking_uri=uri),
+                SwanLabBackend(project="late", mode="offline", log_dir=os.path.join(run_dir, "swanlog"))]
     tracker = MetricsTracker(log_interval=1, backends=backends, log_dir=run_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -804,3 +805,5 @@ def test_a_late_load_state_dict_leaves_no_step_twice_in_any_backend(tmp_path, mo
     (run_id,) = runs if rewind is None else [json.load(open(os.path.join(run_dir, "run_ids.json")))["wandb"]]
     assert list(runs) == [run_id], "one W&B run to sync"
     assert _wandb_values(runs[run_id][0])["loss"] == expected
+    (swanlab_run,) = glob.glob(os.path.join(run_dir, "swanlog", "run-*"))  # the first moved to superseded/
+    assert swanlab_scalars(swanlab_run)["loss"] == expected
