@@ -33,13 +33,15 @@ import pytest
 from twinkle_megatron import TrainMetric
 from twinkle_megatron.logging import (
     JsonlBackend,
+    MetricsLogger,
     MlflowBackend,
     SwanLabBackend,
     TensorBoardBackend,
     WandbBackend,
     read_jsonl,
 )
-from twinkle_megatron.logging.mlflow import SUPERSEDED_BY_TAG, mlflow_key
+from twinkle_megatron.logging.mlflow import KEY_NAMES_TAG, SUPERSEDED_BY_TAG
+from twinkle_megatron.logging.mlflow_names import mlflow_key
 from twinkle_megatron.tracker import MetricsTracker
 
 PACKAGES = ("tensorboard", "wandb", "mlflow", "swanlab")
@@ -78,10 +80,11 @@ def _backends(run_dir: str, tracking_uri: str) -> list:
 
 
 def _attempt(run_dir: str, tracking_uri: str, steps: range, loss_offset: float, checkpoint=None, eval_at=None,
-             save_at=None):
+             save_at=None, backends=None):
     """One job: the tracker with every backend, a TrainMetric with two parameter groups (Twinkle's keys)."""
     train = TrainMetric()
-    tracker = MetricsTracker(log_interval=1, metrics=[train], backends=_backends(run_dir, tracking_uri),
+    backends = _backends(run_dir, tracking_uri) if backends is None else backends
+    tracker = MetricsTracker(log_interval=1, metrics=[train], backends=backends,
                              log_dir=run_dir, run_config={"optimizer": {"name": "adam", "lr": 1e-3}, "seed": 7})
     if checkpoint is not None:
         tracker.load_state_dict(checkpoint["tracker"])
@@ -296,19 +299,109 @@ def _wandb_values(history: Timeline) -> Timeline:
     return {key: {step: float(value) for step, value in points.items()} for key, points in history.items()}
 
 
+def wandb_synced_runs(directory: str) -> dict:
+    """``{run_id: (history, config)}`` of what ``wandb sync DIRECTORY/wandb`` uploads: the run folders directly in
+    ``wandb/`` (W&B's sync reads ``wandb/*/*.wandb``), each run's folders in start order."""
+    files = {os.path.realpath(path) for path in glob.glob(os.path.join(directory, "wandb", "*", "*.wandb"))}
+    ids = {os.path.basename(os.path.dirname(path)).rsplit("-", 1)[1] for path in files}  # latest-run: a link
+    return {run_id: wandb_visible_history(directory, run_id) for run_id in ids}
+
+
 @needs(*PACKAGES)
-def test_wandb_offline_run_is_rewound_to_the_checkpoint(resumed_run):
+def test_wandb_offline_restart_continues_in_a_successor_that_holds_every_step_once(resumed_run):
+    """Offline, by default, no rewind (it would be applied only when synced, on a server that may lack it): the
+    requeued job's run continues the first in a new run holding the steps before the restart, copied from the
+    first run's files; the first run's folder moves to ``wandb/superseded/``, so a sync uploads one run."""
     assert not [f for f in resumed_run["failures"] if "'wandb'" in f]
     with open(os.path.join(resumed_run["run_dir"], "run_ids.json")) as file:
-        run_id = json.load(file)["wandb"]
-    directories = wandb_run_dirs(resumed_run["run_dir"], run_id)
-    assert len(directories) == 2, "the requeued job continues the same run id"
-    history, config = wandb_visible_history(resumed_run["run_dir"], run_id)
+        successor = json.load(file)["wandb"]
+    runs = wandb_synced_runs(resumed_run["run_dir"])
+    assert list(runs) == [successor], "one run to sync"
+    history, config = runs[successor]
     _assert_timeline(_wandb_values(history), resumed_run["expected"])
-    runs = [r for r in wandb_records(directories[1]) if r["type"] == "run"]
-    assert runs[0]["run"]["branch_point"] == {"metric": "_step", "run": run_id, "value": 10}
+    (superseded,) = glob.glob(os.path.join(resumed_run["run_dir"], "wandb", "superseded", "offline-run-*"))
+    first = superseded.rsplit("-", 1)[1]
+    assert config["twinkle_megatron"]["continues"] == first != successor
     assert config["parallel"]["tp"] == 1 and config["optimizer"]["name"] == "adam" and config["seed"] == 7
     assert config["versions"]["twinkle_megatron"]
+
+
+def _wandb_restart(tmp_path, monkeypatch, refuse_rewind: bool, save_at: int = 10, last_step: int = 20, **options):
+    """Two attempts with the W&B backend alone (offline); the second resumes the checkpoint of ``save_at``.
+
+    ``refuse_rewind``: the real ``wandb.init`` raises when asked to rewind (``resume_from``), as W&B's
+    self-managed servers and clouds without the preview feature do; every other call is W&B's own."""
+    import wandb
+
+    _environment(monkeypatch, tmp_path)
+    run_dir = str(tmp_path / "run")
+    real_init = wandb.init
+
+    def init(*args, **kwargs):
+        if refuse_rewind and kwargs.get("resume_from"):
+            raise wandb.errors.CommError("rewind is not enabled for this W&B server")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(wandb, "init", init)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, checkpoint = _attempt(run_dir, "", range(1, last_step + 1), 100.0, save_at=save_at,
+                                     backends=[WandbBackend(project="t", directory=run_dir, **options)])
+        time.sleep(1.1)  # W&B names run folders by the second: a real restart takes longer
+        second, _ = _attempt(run_dir, "", range(save_at + 1, 21), 200.0, checkpoint=checkpoint,
+                             backends=[WandbBackend(project="t", directory=run_dir, **options)])
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not [m for m in messages if "failed and is disabled" in m], messages
+    expected: Timeline = {}
+    for step, record in [*((s, r) for s, r in first.items() if s <= save_at), *second.items()]:
+        for key, value in record.items():
+            expected.setdefault(key, {})[step] = value
+    with open(os.path.join(run_dir, "run_ids.json")) as file:
+        return run_dir, json.load(file)["wandb"], expected, messages
+
+
+@needs("wandb")
+def test_wandb_rewind_when_asked_offline(tmp_path, monkeypatch):
+    """``rewind=True``: the run is reopened and rewound (W&B applies it when the folders are synced, in order)."""
+    run_dir, run_id, expected, messages = _wandb_restart(tmp_path, monkeypatch, refuse_rewind=False, rewind=True)
+    directories = wandb_run_dirs(run_dir, run_id)
+    assert len(directories) == 2, "the requeued job continues the same run id"
+    runs = wandb_synced_runs(run_dir)
+    assert list(runs) == [run_id] and not messages
+    _assert_timeline(_wandb_values(runs[run_id][0]), expected)
+    (record,) = [r for r in wandb_records(directories[1]) if r["type"] == "run"]
+    assert record["run"]["branch_point"] == {"metric": "_step", "run": run_id, "value": 10}
+
+
+@needs("wandb")
+def test_wandb_rewind_refused_continues_in_a_successor_and_loses_no_step(tmp_path, monkeypatch):
+    """The server refuses the rewind at ``wandb.init``: the backend stays alive, a successor run takes the steps
+    before the restart (from the first run's files) and logs every resumed step; a sync shows each step once."""
+    run_dir, run_id, expected, messages = _wandb_restart(tmp_path, monkeypatch, refuse_rewind=True, rewind=True)
+    runs = wandb_synced_runs(run_dir)
+    assert list(runs) == [run_id], "offline, the first run's folder moved aside: one run to sync"
+    history, config = runs[run_id]
+    _assert_timeline(_wandb_values(history), expected)
+    (superseded,) = glob.glob(os.path.join(run_dir, "wandb", "superseded", "offline-run-*"))
+    first = superseded.rsplit("-", 1)[1]
+    assert config["twinkle_megatron"]["continues"] == first
+    kept = [int(r["history"]["step"]["num"]) for r in wandb_records(superseded) if r["type"] == "history"]
+    assert kept == list(range(1, 21)), "the first run's files are kept as they were"
+    (message,) = [m for m in messages if "W&B restart" in m]
+    assert f"W&B did not rewind run {first} (CommError: rewind is not enabled" in message
+    assert f"run {run_id} continues it" in message and "10 earlier step(s) copied from its local files" in message
+
+
+@needs("wandb")
+def test_wandb_rewind_refused_resumes_a_run_that_stopped_at_its_checkpoint(tmp_path, monkeypatch):
+    """Nothing after the checkpoint: the same run is resumed (``resume='allow'``), every step once."""
+    run_dir, run_id, expected, messages = _wandb_restart(tmp_path, monkeypatch, refuse_rewind=True, last_step=10,
+                                                         rewind=True)
+    runs = wandb_synced_runs(run_dir)
+    assert list(runs) == [run_id] and len(wandb_run_dirs(run_dir, run_id)) == 2
+    _assert_timeline(_wandb_values(runs[run_id][0]), expected)
+    (message,) = [m for m in messages if "W&B restart" in m]
+    assert "it holds no step from 11 on, so it is resumed (resume='allow')" in message
 
 
 # ------------------------------------------------------------------ MLflow: MlflowClient
@@ -446,10 +539,10 @@ def test_swanlab_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, 
 # ------------------------------------------------------------------ run identity (item 4), keys (item 1)
 
 
-def _wandb_training(log_dir: str) -> str:
+def _wandb_training(log_dir: str, backend="wandb") -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a disabled backend fails the test
-        tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=log_dir)
+        tracker = MetricsTracker(log_interval=1, backends=[backend], log_dir=log_dir)
         tracker.end_step(1, loss=1.0)
         tracker.close()
     with open(os.path.join(log_dir, "run_ids.json")) as file:
@@ -457,7 +550,7 @@ def _wandb_training(log_dir: str) -> str:
 
 
 @needs("wandb")
-def test_wandb_fresh_runs_get_fresh_ids_and_a_requeued_job_keeps_its_id(tmp_path, monkeypatch):
+def test_wandb_fresh_runs_get_fresh_ids_and_a_requeued_job_continues_its_run(tmp_path, monkeypatch):
     import wandb
 
     _environment(monkeypatch, tmp_path)
@@ -469,9 +562,16 @@ def test_wandb_fresh_runs_get_fresh_ids_and_a_requeued_job_keeps_its_id(tmp_path
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the job was requeued before its first checkpoint
     monkeypatch.setenv("WANDB_RESUME", "allow")  # what job scripts export; W&B refuses it with a rewind
     wandb.teardown()  # W&B reads the environment once per process: as in a new job, read it again
-    assert _wandb_training(str(tmp_path / "a")) == second
+    third = _wandb_training(str(tmp_path / "a"))  # offline: a successor of the second run
+    runs = wandb_synced_runs(str(tmp_path / "a"))
+    assert set(runs) == {first, third} and runs[third][1]["twinkle_megatron"]["continues"] == second
+    assert runs[third][0]["loss"] == {1: 1.0}, "started again at step 1: step 1 once"
+    time.sleep(1.1)
+    wandb.teardown()
+    rewound = _wandb_training(str(tmp_path / "a"), WandbBackend(directory=str(tmp_path / "a"), rewind=True))
+    assert rewound == third, "rewound: the same run id"
     assert os.environ["WANDB_RESUME"] == "allow"
-    history, _ = wandb_visible_history(str(tmp_path / "a"), second)
+    history, _ = wandb_visible_history(str(tmp_path / "a"), third)
     assert history["loss"] == {1: 1.0}, "rewound to step 0: step 1 once"
 
 
@@ -518,7 +618,70 @@ def test_mlflow_keys_twinkle_names_are_logged_not_fatal(tmp_path, monkeypatch):
     assert run.data.metrics["loss"] == 2.0
     assert run.data.metrics["learning rate_param group 1_"] == 1e-3
     assert run.data.metrics["learning rate_param group 2_"] == 5e-4
-    assert run.data.metrics["eval/profiling/Time taken_ generate"] == 1.5
+    assert run.data.metrics["eval/profiling/Time taken: generate"] == 1.5, "MLflow accepts ':': unchanged"
+
+
+# Keys MLflow accepts (its rule: Unicode word characters, digits, _ - . / : and spaces), and keys it refuses,
+# some of which become one name once their refused characters are replaced.
+ACCEPTED_KEYS = ("损失", "训练/准确率", "énergie", "Größe/Ω", "profiling/Time taken: generate", "a:b", "loss",
+                 "eval/loss", "ratio_x")
+REFUSED_KEYS = ("learning rate(param group 1)", "learning rate(param group 2)", "ratio(x)", "ratio[x]", "ratio{x}",
+                "ratio<x>", "/rooted", "a//b", "trailing/", "..parent", "x" * 300, "x" * 299 + "!")
+
+
+@needs("mlflow")
+def test_mlflow_keeps_every_key_it_accepts_and_never_merges_two(tmp_path, monkeypatch):
+    """Chinese, accented and colon keys arrive unchanged; keys that differ only in refused characters (and a
+    refused key whose replacement is an accepted key: ``ratio(x)`` → ``ratio_x_``, ``ratio_x`` is its own) arrive
+    under distinct names; nothing is dropped; the run's ``key_names`` tag says which key each new name holds, and
+    a restart keeps every name."""
+    from mlflow import MlflowClient
+    from mlflow.utils.validation import _validate_metric_name
+
+    _environment(monkeypatch, tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keys_ = ACCEPTED_KEYS + REFUSED_KEYS
+    for key in ACCEPTED_KEYS:
+        _validate_metric_name(key)  # MLflow's own check: these are accepted as they are
+    values = {key: float(index) for index, key in enumerate(keys_)}
+
+    def attempt(first_step, steps, offset):
+        logger = MetricsLogger([MlflowBackend(experiment="keys", tracking_uri=uri)], log_dir=str(tmp_path))
+        logger.start(first_step, {"数据集": "wiki", "a(b)": 1, "a_b_": 2})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # nothing dropped, no backend disabled
+            for step in steps:
+                logger.log({key: value + offset for key, value in values.items()}, step)
+        logger.close()
+
+    attempt(1, [1, 2], 0.0)
+    attempt(2, [2, 3], 100.0)  # a restart at step 2: the run is superseded, and every key keeps its name
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("keys").experiment_id])
+    recorded = json.loads(run.data.tags[KEY_NAMES_TAG])
+    by_key = {key: name for name, key in recorded["metrics"].items()}
+    assert set(by_key) == set(REFUSED_KEYS), "the renamed keys, each findable"
+    names = {key: by_key.get(key, key) for key in keys_}
+    assert len(set(names.values())) == len(keys_), "every key under a name of its own"
+    assert set(run.data.metrics) == set(names.values()), "nothing dropped, nothing else"
+    for key, name in names.items():
+        _validate_metric_name(name)
+        history = client.get_metric_history(run.info.run_id, name)
+        assert [(m.step, m.value) for m in history] == [(1, values[key]), (2, values[key] + 100),
+                                                        (3, values[key] + 100)], key
+    assert names["learning rate(param group 1)"] == "learning rate_param group 1_"
+    assert names["ratio(x)"] == "ratio_x_" and names["ratio_x"] == "ratio_x", "first come, its plain name"
+    assert {names[f"ratio{b}x{e}"][:len("ratio_x_-")] for b, e in ("[]", "{}", "<>")} == {"ratio_x_-"}
+    assert names["/rooted"] == "_/rooted" and names["a//b"] == "a/_/b" and names["trailing/"] == "trailing/_"
+    assert len(names["x" * 300]) == 250 and names["x" * 299 + "!"] != names["x" * 300]
+    params = run.data.params
+    assert params["数据集"] == "wiki" and params["a_b_"] == "2"
+    assert params[recorded_param(recorded, "a(b)")] == "1" and recorded_param(recorded, "a(b)") != "a_b_"
+
+
+def recorded_param(recorded: dict, key: str) -> str:
+    (name,) = [name for name, original in recorded["params"].items() if original == key]
+    return name
 
 
 # ------------------------------------------------------------------ TensorBoard: a requeue before any checkpoint
@@ -563,3 +726,84 @@ def test_mlflow_run_id_recorded_for_another_store_starts_a_new_run(tmp_path, mon
     client = MlflowClient(tracking_uri=second_uri)
     (run,) = client.search_runs(["0"])
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(2, 2.0)]
+
+
+@needs("mlflow")
+def test_mlflow_names_follow_mlflows_own_rule():
+    """Over random keys of accepted and refused characters: what we keep is what MLflow's validator accepts, and
+    every name given is accepted by it and held by one key only."""
+    import random
+
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_length_limit, _validate_metric_name
+
+    from twinkle_megatron.logging.mlflow_names import MlflowNames, mlflow_accepts
+
+    def accepted(name: str) -> bool:
+        try:
+            _validate_metric_name(name)
+            _validate_length_limit("name", 250, name)
+        except MlflowException:
+            return False
+        return True
+
+    generator = random.Random(0)
+    alphabet = "ab/.: -_()[]#é损\u0301\t"
+    names, owners = MlflowNames(), {}
+    for _ in range(20_000):
+        key = "".join(generator.choice(alphabet) for _ in range(generator.randint(0, 8)))
+        key = key * 60 if generator.random() < 0.01 else key
+        assert mlflow_accepts(key) == accepted(key), repr(key)
+        name = names(key)
+        assert accepted(name) and owners.setdefault(name, key) == key, (key, name)
+        assert name == key or not accepted(key) or key in names.renamed.values()
+
+
+# ------------------------------------------------------------------ a checkpoint loaded after the tracker logged
+
+
+@needs(*PACKAGES)
+@pytest.mark.parametrize("rewind", [None, True], ids=["wandb-default", "wandb-rewind"])
+def test_a_late_load_state_dict_leaves_no_step_twice_in_any_backend(tmp_path, monkeypatch, rewind):
+    """A rollback in the same process: steps 1..8 logged, then the step-4 checkpoint is loaded and steps 5..8 run
+    again with other values. Every backend (read with its own reader, SwanLab's local store too) holds each step
+    once: 1..4 of the first timeline, 5..8 of the second. (Before, the JSONL log held steps 5..8 twice, silently.)"""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _environment(monkeypatch, tmp_path)
+    run_dir, uri = str(tmp_path / "run"), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    backends = [JsonlBackend(os.path.join(run_dir, "metrics.jsonl")), TensorBoardBackend(os.path.join(run_dir, "tb")),
+                WandbBackend(project="late", directory=run_dir, rewind=rewind),
+                MlflowBackend(experiment="late", tracking_uri=uri),
+                SwanLabBackend(project="late", mode="offline", log_dir=os.path.join(run_dir, "swanlog"))]
+    tracker = MetricsTracker(log_interval=1, backends=backends, log_dir=run_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 9):
+            tracker.end_step(step, loss=100.0 + step)
+            if step == 4:
+                checkpoint = tracker.state_dict()
+        time.sleep(1.1)  # W&B names run folders by the second
+        tracker.load_state_dict(checkpoint)
+        for step in range(5, 9):
+            tracker.end_step(step, loss=200.0 + step)
+        tracker.close()
+    assert not [w for w in caught if "disabled" in str(w.message)], [str(w.message) for w in caught]
+    expected = {step: (100.0 if step <= 4 else 200.0) + step for step in range(1, 9)}
+
+    assert [(r["step"], r["loss"]) for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == \
+        sorted(expected.items())
+    events = EventAccumulator(os.path.join(run_dir, "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == sorted(expected.items())
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("late").experiment_id])
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == \
+        sorted(expected.items())
+    runs = wandb_synced_runs(run_dir)
+    (run_id,) = runs if rewind is None else [json.load(open(os.path.join(run_dir, "run_ids.json")))["wandb"]]
+    assert list(runs) == [run_id], "one W&B run to sync"
+    assert _wandb_values(runs[run_id][0])["loss"] == expected
+    (swanlab_run,) = glob.glob(os.path.join(run_dir, "swanlog", "run-*"))  # the first moved to superseded/
+    assert swanlab_scalars(swanlab_run)["loss"] == expected

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import warnings
 
@@ -19,6 +20,7 @@ from twinkle_megatron.logging import (
     Backend,
     JsonlBackend,
     MetricsLogger,
+    RunStart,
     StdoutBackend,
     build_backend,
     read_jsonl,
@@ -272,3 +274,147 @@ def test_starting_the_run_after_the_first_record_warns(tmp_path):
     with pytest.warns(RuntimeWarning, match="after backends were opened"):
         logger.start(5)
     logger.close()
+
+
+# ---------------------------------------------------------------- JSONL: streamed supersede, paths that are no log
+
+_MEMORY_CHILD = r"""
+import resource, sys
+from twinkle_megatron.logging import JsonlBackend, RunStart
+
+def virtual_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize")
+
+path, first_step = sys.argv[1], int(sys.argv[2])
+cap = virtual_bytes() + 64 * 2**20
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+backend = JsonlBackend(path)
+backend.open(RunStart(first_step=first_step))
+backend.write({"loss": 1.0}, first_step)
+backend.close()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_200_mb_log_resumes_within_64_mib_of_memory(tmp_path):
+    """The supersede step streams: under an address-space cap of the process's size + 64 MiB, a 200 MB log resumes.
+
+    (It read the whole log with ``readlines()`` before: a MemoryError under this cap.)
+    """
+    path = tmp_path / "metrics.jsonl"
+    padding = "x" * 960
+    steps = 200_000  # about 1 kB per record: 200 MB
+    with open(path, "w") as file:
+        for step in range(1, steps + 1):
+            file.write(json.dumps({"step": step, "loss": 1.0, "note_padding": padding}) + "\n")
+        file.write('{"step": 200001, "lo')  # a cut last line
+    size = path.stat().st_size
+    assert size > 200e6
+    first_step = steps // 2 + 1
+    done = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(path), str(first_step)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kept = superseded = 0
+    with open(path) as file:
+        for number, line in enumerate(file, start=1):
+            assert json.loads(line)["step"] == (number if number <= steps // 2 else first_step)
+            kept += 1
+    with open(tmp_path / "metrics.superseded.jsonl") as file:
+        for number, line in enumerate(file, start=first_step):
+            assert json.loads(line)["step"] == number
+            superseded += 1
+    assert (kept, superseded) == (steps // 2 + 1, steps // 2), "every record once, in one of the two files"
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
+def test_a_log_path_that_is_not_a_regular_file_is_refused_once_and_training_goes_on(tmp_path, kind):
+    if kind == "device":
+        path = "/dev/full"  # reads zeros forever: it was read until the process was killed
+    elif kind == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)  # opening it blocks until a reader comes
+    else:
+        path = str(tmp_path / "directory")
+        os.mkdir(path)
+    other = JsonlBackend(str(tmp_path / "other.jsonl"))
+    tracker = MetricsTracker(log_interval=1, backends=[JsonlBackend(path), other])
+    tracker.load_state_dict({**MetricsTracker(backends=()).state_dict(), "step": 4})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            tracker.end_step(loss=1.0)
+    tracker.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "'jsonl' failed and is disabled" in messages[0]
+    assert f"{path} is a {kind if kind != 'fifo' else 'FIFO'}, not a regular file" in messages[0]
+    assert _steps(tmp_path / "other.jsonl") == [5, 6, 7], "training and the other backends went on"
+
+
+def test_rewriting_a_log_keeps_lines_that_are_not_records_and_ends_every_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\nnot json\n[1, 2]\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.0}')
+    backend = JsonlBackend(str(path))
+    backend.open(RunStart(first_step=3))
+    backend.write({"loss": 0.5}, 3)
+    backend.close()
+    assert path.read_text() == ('{"step": 1, "loss": 2.0}\nnot json\n[1, 2]\n{"step": 2, "loss": 1.5}\n'
+                                '{"step": 3, "loss": 0.5}\n')
+    assert (tmp_path / "metrics.superseded.jsonl").read_text() == '{"step": 3, "loss": 1.0}\n'
+
+
+def test_an_unchanged_log_is_not_rewritten(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n')
+    before = path.stat().st_ino
+    backend = JsonlBackend(str(path))
+    backend.open(RunStart(first_step=2))
+    backend.close()
+    assert path.stat().st_ino == before and not (tmp_path / "metrics.superseded.jsonl").exists()
+
+
+# ---------------------------------------------------------------- a checkpoint loaded after the tracker logged
+
+
+def test_a_rollback_in_the_same_process_supersedes_from_the_loaded_step(tmp_path):
+    """Steps 1..6 logged, the step-3 checkpoint loaded, 4..6 run again: the log holds each step once (it held
+    4, 5, 6 twice, silently); the abandoned records are kept beside it; steps pending since the last log are
+    dropped with the timeline they belong to."""
+    path = tmp_path / "metrics.jsonl"
+    tracker = MetricsTracker(log_interval=2, backends=[JsonlBackend(str(path))])
+    for step in range(1, 8):
+        tracker.end_step(step, loss=float(step), tokens=1)
+        if step == 4:
+            checkpoint = tracker.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rollback loses nothing: no warning
+        tracker.load_state_dict(checkpoint)  # step 7 ended but not logged: it belongs to the abandoned timeline
+    for step in range(5, 9):
+        tracker.end_step(step, loss=10.0 + step, tokens=1)
+    tracker.close()
+    records = read_jsonl(str(path))
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 2.0), (4, 3.5), (6, 15.5), (8, 17.5)]
+    assert records[-1]["train/consumed_tokens"] == 8
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.superseded.jsonl"))] == [6]
+
+
+def test_a_checkpoint_loaded_after_an_early_record_supersedes_and_says_what_was_lost(tmp_path):
+    """An evaluation logged at step 0 before the checkpoint is loaded: the log had superseded everything from
+    step 0 when it opened; the load restarts it at 11 (nothing twice) and warns that steps 1..10 of the
+    earlier run were moved aside then."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 16)))
+    saved = {**MetricsTracker(backends=()).state_dict(), "step": 10}
+    tracker = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(path))])
+    tracker.log_eval(0, loss=3.0)
+    with pytest.warns(RuntimeWarning, match=r"restarts at step 11 after the backends opened at step 0.*steps 1\.\.10"):
+        tracker.load_state_dict(saved)
+    for step in range(11, 16):
+        tracker.end_step(step, loss=2.0)
+    tracker.close()
+    assert _steps(path) == [0, 15]
+    assert _steps(tmp_path / "metrics.superseded.jsonl") == list(range(1, 16))

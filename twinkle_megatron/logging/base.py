@@ -21,11 +21,15 @@ class RunStart:
             shown once, with the values of the run that continued.
         config: the run's configuration (nested mapping of plain values), logged once.
         log_dir: the run's directory (where backends that have run ids remember them).
+        restart: the backend is opened again in the same process, at ``first_step``
+            (the tracker loaded a checkpoint after it had logged): a backend with
+            run ids continues the run it had open.
     """
 
     first_step: int = 1
     config: Mapping[str, Any] = field(default_factory=dict)
     log_dir: Optional[str] = None
+    restart: bool = False
 
     @property
     def requeued(self) -> bool:
@@ -37,11 +41,11 @@ class RunStart:
 
     @property
     def continues(self) -> bool:
-        """This run continues an earlier one: it starts after step 1 (a resume), or is a requeued job.
+        """This run continues an earlier one: it starts after step 1 (a resume), is a requeued job, or a restart.
 
         Backends with run ids reopen the earlier run then; otherwise they start a new run.
         """
-        return self.first_step > 1 or self.requeued
+        return self.first_step > 1 or self.requeued or self.restart
 
 
 class Backend:

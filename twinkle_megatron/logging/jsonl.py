@@ -6,13 +6,23 @@ its step *s* − 1 checkpoint, or from scratch when *s* = 1: a requeue before th
 first checkpoint, or a new run reusing the run directory). Before the first
 record, those records are moved out of the log into ``NAME.superseded.jsonl``
 beside it (appended: nothing logged is ever deleted), so the log never holds a
-step twice and its steps are those of the run that continued. The log is
-rewritten atomically (a crash leaves the old file or the new one).
+step twice and its steps are those of the run that continued.
+
+The log is streamed, one line at a time, into a temporary file beside it that
+then replaces it (``os.replace``: a crash leaves the old log or the new one),
+so superseding costs the same memory for a log of any size. The superseded
+records reach their file (flushed to disk) before the log is replaced: a crash
+in between leaves them in both, never in neither.
 
 A half-written last line (a job killed while writing) is not a record: it is
 dropped at the same time, so the new run's first record starts on a fresh line.
 Lines that are not JSON elsewhere are kept as they are (this backend never
 rewrites what it cannot read).
+
+The path must be a regular file (or not exist yet): a device (``/dev/full``
+would be read forever), a FIFO (opening it blocks) or a directory is refused
+with a ``ValueError`` when the backend opens, which the logger reports once
+before disabling the backend; training goes on.
 
 Non-finite numbers are written as ``null``: ``NaN`` is not JSON.
 """
@@ -21,9 +31,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any, Mapping, Optional
 
 from .base import Backend, RunStart, finite_or_none
+from .jsonlines import json_lines
 
 
 class JsonlBackend(Backend):
@@ -40,36 +52,44 @@ class JsonlBackend(Backend):
         return f"{root}.superseded{extension or '.jsonl'}"
 
     def open(self, run: RunStart) -> None:
+        _refuse_unless_regular(self.path)
+        _refuse_unless_regular(self.superseded_path)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         if os.path.exists(self.path):
             self._supersede(run.first_step)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _supersede(self, first_step: int) -> None:
-        with open(self.path, encoding="utf-8", errors="surrogateescape") as file:
-            lines = file.readlines()
-        kept, superseded = [], []
-        for number, line in enumerate(lines, start=1):
-            record = _parse(line)
-            if record is None:
-                if number == len(lines) and not line.endswith("\n"):
-                    continue  # a cut last line: not a record
-                kept.append(line)  # not ours to judge: kept as it is
-            elif _step(record) is not None and _step(record) >= first_step:
-                superseded.append(line if line.endswith("\n") else line + "\n")
-            else:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        if not superseded and kept == lines:
-            return  # nothing to change: append after the last complete line
-        if superseded:
-            with open(self.superseded_path, "a", encoding="utf-8", errors="surrogateescape") as file:
-                file.writelines(superseded)
-                file.flush()
-                os.fsync(file.fileno())  # on disk before they leave the log
-        temporary = self.path + ".tmp"
-        with open(temporary, "w", encoding="utf-8", errors="surrogateescape") as file:
-            file.writelines(kept)
-        os.replace(temporary, self.path)  # atomic: a crash leaves the old file or the new one
+        """Move the records of steps ≥ ``first_step`` (and a cut last line) out of the log, streaming."""
+        target = os.path.realpath(self.path)  # a symlinked log: rewrite the file, keep the link
+        temporary = target + ".tmp"
+        changed = False
+        archive = None
+        try:
+            with open(target, encoding="utf-8", errors="surrogateescape") as log, \
+                    open(temporary, "w", encoding="utf-8", errors="surrogateescape") as kept:
+                for line in json_lines(log):
+                    step = _step(line.record) if line.record is not None else None
+                    if line.cut:
+                        changed = True  # not a record: dropped
+                    elif step is not None and step >= first_step:
+                        if archive is None:
+                            archive = open(self.superseded_path, "a", encoding="utf-8", errors="surrogateescape")
+                        archive.write(_whole(line.text))
+                        changed = True
+                    else:
+                        kept.write(_whole(line.text))  # lines that are not records are kept as they are
+                        changed = changed or not line.text.endswith("\n")
+            if archive is not None:
+                archive.flush()
+                os.fsync(archive.fileno())  # on disk before they leave the log
+            if changed:
+                os.replace(temporary, target)  # atomic: a crash leaves the old file or the new one
+        finally:
+            if archive is not None:
+                archive.close()
+            if os.path.exists(temporary):
+                os.remove(temporary)  # unchanged log (or a failure): the original stays
 
     def write(self, record: Mapping[str, float], step: int) -> None:
         values = {key: finite_or_none(value) for key, value in record.items() if key != "step"}
@@ -85,20 +105,30 @@ class JsonlBackend(Backend):
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """The records of a JSONL run log, in file order; lines that do not parse are skipped."""
     with open(path, encoding="utf-8", errors="surrogateescape") as file:
-        return [record for record in map(_parse, file) if record is not None]
+        return [line.record for line in json_lines(file) if line.record is not None]
 
 
-def _parse(line: str) -> Optional[dict[str, Any]]:
+def _refuse_unless_regular(path: str) -> None:
+    """A path that exists must be a regular file (symlinks followed): never read a device, FIFO or directory."""
     try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+        raise ValueError(f"the JSONL log {path} is {kind}, not a regular file: it is neither read nor written; "
+                         "give the path of a file (or of one that does not exist yet)")
 
 
 def _step(record: Mapping[str, Any]) -> Optional[int]:
     step = record.get("step")
     return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
+def _whole(text: str) -> str:
+    """A line ending with a newline (the last line may lack one: the next record must start a line)."""
+    return text if text.endswith("\n") else text + "\n"
 
 
 def _line(record: Mapping[str, Any]) -> str:

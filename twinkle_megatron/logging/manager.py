@@ -36,6 +36,7 @@ class MetricsLogger:
         self.config: dict[str, Any] = {}
         self._opened: list[Backend] = []
         self._disabled: set[int] = set()  # ids: backends need not be hashable
+        self._last_logged: Optional[int] = None  # the latest step written since the backends opened
 
     @property
     def is_writer(self) -> bool:
@@ -59,6 +60,42 @@ class MetricsLogger:
         if config is not None:
             self.config = dict(config)
 
+    def restart(self, first_step: int) -> None:
+        """Start the run again at ``first_step`` in this process (a checkpoint loaded after the first record).
+
+        Every opened backend is closed and opened again with ``first_step``
+        (``RunStart.restart``): each supersedes what it holds from that step on
+        the way it does for a restarted job (JSONL moves the records aside,
+        TensorBoard drops the events, W&B rewinds or continues the run in a
+        successor, MLflow supersedes its run, SwanLab replays its local run), so
+        no step is shown twice. A backend that fails to reopen is disabled with
+        one warning, as always. Before the first record this only sets the first step.
+        """
+        first_step = int(first_step)
+        if not self._opened:
+            self.first_step = first_step
+            return
+        # Steps this run did not log between its first step and the new one: an earlier run's points there
+        # were superseded when the backends opened (a rollback logged them itself: nothing lost).
+        gap = max(self.first_step, (self._last_logged if self._last_logged is not None else -1) + 1)
+        if self.first_step is not None and first_step > gap:
+            warnings.warn(f"the run restarts at step {first_step} after the backends opened at step "
+                          f"{self.first_step}: they supersede from step {first_step} on, but what an earlier run "
+                          f"logged at steps {gap}..{first_step - 1} was superseded when they opened "
+                          "(JSONL keeps it in its .superseded.jsonl file); load a checkpoint before the first log "
+                          "to keep it", RuntimeWarning, stacklevel=3)
+        self.first_step = first_step
+        if self._last_logged is not None:
+            self._last_logged = min(self._last_logged, first_step - 1)  # what is kept ends before first_step
+        for backend in self._opened:
+            if id(backend) in self._disabled:
+                continue
+            try:
+                backend.close()
+                backend.open(RunStart(first_step=first_step, config=self.config, log_dir=self.log_dir, restart=True))
+            except Exception as error:  # noqa: BLE001 - a logging failure must never stop training
+                self._disable(backend, error)
+
     def log(self, record: Mapping[str, Any], step: int) -> None:
         """Write ``record`` (numbers only) at ``step`` to every enabled backend."""
         if not self.is_writer:
@@ -66,6 +103,7 @@ class MetricsLogger:
         numbers = numeric_record(record)
         if self.first_step is None:
             self.first_step = int(step)
+        self._last_logged = int(step)
         for backend in self.backends:
             if id(backend) in self._disabled:
                 continue

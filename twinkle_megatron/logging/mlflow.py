@@ -1,11 +1,13 @@
 """MLflow: metrics and params of one run, through ``MlflowClient`` (no process-global run of ours).
 
-Keys: MLflow accepts only alphanumerics, ``_ - . /`` and spaces in a metric or
-param name. Every other character becomes ``_``, one for one, so the mapping
-is stable and documented: ``learning rate(param group 1)`` is logged as
-``learning rate_param group 1_``, ``profiling/Time taken: generate`` as
-``profiling/Time taken_ generate``. Two keys that would map to one name: the
-second is left out with one warning. A bad key never disables the backend.
+Keys (``mlflow_names.py``): every key MLflow accepts is logged unchanged
+(``损失``, ``énergie``, ``profiling/Time taken: generate``); a key it refuses is
+logged with the refused characters replaced by ``_`` (``learning rate(param
+group 1)`` → ``learning rate_param group 1_``), and a deterministic suffix when
+that name is another key's. No key is dropped and no two keys share a name.
+The keys logged under another name are recorded in the run tag
+``twinkle_megatron.key_names`` (JSON ``{"metrics": {name: key}, "params": {...}}``),
+kept when the run is reopened or superseded.
 
 Which run:
 
@@ -34,25 +36,22 @@ are kept and reported once, since MLflow params cannot change.
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import time
 import warnings
 from typing import Any, Mapping, Optional
 
 from .base import Backend, RunStart, flatten_config
+from .mlflow_names import MlflowNames
 from .run_ids import recall_run_id, remember_run_id
 
-_NOT_ALLOWED = re.compile(r"[^A-Za-z0-9_\-./ ]")
 _METRICS_PER_BATCH, _PARAMS_PER_BATCH = 1000, 100  # MLflow's limits per log_batch call
 _PARAM_VALUE_LIMIT = 6000
 SUPERSEDED_BY_TAG = "twinkle_megatron.superseded_by"
 CONTINUES_TAG = "twinkle_megatron.continues"
-
-
-def mlflow_key(key: str) -> str:
-    """The MLflow name of a metric or param key: characters MLflow refuses become ``_``."""
-    return _NOT_ALLOWED.sub("_", key)
+KEY_NAMES_TAG = "twinkle_megatron.key_names"
+_TAG_VALUE_LIMIT = 8000  # MLflow's MAX_TAG_VAL_LENGTH: longer values are cut
 
 
 class MlflowBackend(Backend):
@@ -70,9 +69,11 @@ class MlflowBackend(Backend):
         self.tags = dict(tags or {})
         self._client: Any = None
         self._active_run_id: Optional[str] = None
+        self.last_run_id: Optional[str] = None  # the run this backend opened last (a restart in-process continues it)
         self._owned = False
-        self._names: dict[str, str] = {}  # our key -> MLflow name
-        self._taken: dict[str, str] = {}  # MLflow name -> our key
+        self._metric_names = MlflowNames()
+        self._param_names = MlflowNames()
+        self._recorded: dict[str, dict[str, str]] = {}  # the key_names tag as last written
 
     def open(self, run: RunStart) -> None:
         import mlflow
@@ -88,7 +89,8 @@ class MlflowBackend(Backend):
                               "open, so the repeated steps are logged again", RuntimeWarning, stacklevel=2)
         else:
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
-            run_id = self.run_id or (recall_run_id(run.log_dir, self.name) if run.continues else None)
+            run_id = (self.last_run_id if run.restart else None) or self.run_id or \
+                (recall_run_id(run.log_dir, self.name) if run.continues else None)
             if run_id is not None and self.run_id is None and not self._exists(run_id):
                 warnings.warn(f"MLflow run {run_id} recorded in {run.log_dir} is not in this tracking store; "
                               "starting a new run", RuntimeWarning, stacklevel=2)
@@ -98,16 +100,19 @@ class MlflowBackend(Backend):
             else:
                 run_id = self._client.create_run(self._experiment_id(), run_name=self.run_name,
                                                  tags=self.tags).info.run_id
-            self._active_run_id, self._owned = run_id, True
+            self._active_run_id, self._owned, self.last_run_id = run_id, True, run_id
             remember_run_id(run.log_dir, self.name, run_id)
+        self._load_names()
         self._log_params(flatten_config(run.config))
+        self._record_names()
 
     def write(self, record: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         timestamp = int(time.time() * 1000)
-        metrics = [Metric(name, float(value), timestamp, step)
-                   for name, value in ((self._name(key), value) for key, value in record.items()) if name is not None]
+        names = self._metric_names.names(record)
+        metrics = [Metric(names[key], float(value), timestamp, step) for key, value in record.items()]
+        self._record_names()  # before the points: a renamed key is findable as soon as it shows
         self._log_batches(self._active_run_id, metrics=metrics)
 
     def close(self) -> None:
@@ -132,18 +137,31 @@ class MlflowBackend(Backend):
         for start in range(0, len(params), _PARAMS_PER_BATCH):
             self._client.log_batch(run_id, params=params[start:start + _PARAMS_PER_BATCH])
 
-    def _name(self, key: str) -> Optional[str]:
-        """The MLflow name of ``key``; None (with one warning) when another key already maps to it."""
-        name = self._names.get(key)
-        if name is None:
-            name = mlflow_key(key)
-            if self._taken.get(name, key) != key:
-                warnings.warn(f"MLflow: {key!r} and {self._taken[name]!r} both become {name!r}; {key!r} is not "
-                              "logged to MLflow", RuntimeWarning, stacklevel=3)
-                self._names[key] = ""
-                return None
-            self._names[key], self._taken[name] = name, key
-        return name or None
+    def _load_names(self) -> None:
+        """The names the run holds (and the keys an earlier attempt renamed): a key keeps its name on resume."""
+        data = self._client.get_run(self._active_run_id).data
+        try:
+            recorded = json.loads(data.tags.get(KEY_NAMES_TAG, "{}"))
+        except ValueError:
+            recorded = {}
+        recorded = recorded if isinstance(recorded, dict) else {}
+        self._recorded = {kind: dict(recorded.get(kind) or {}) for kind in ("metrics", "params")}
+        self._metric_names = MlflowNames(data.metrics, self._recorded["metrics"])
+        self._param_names = MlflowNames(data.params, self._recorded["params"])
+
+    def _record_names(self) -> None:
+        """Write the ``key_names`` tag when a key got a name of its own since it was last written."""
+        renamed = {"metrics": self._metric_names.renamed, "params": self._param_names.renamed}
+        if renamed == self._recorded:
+            return
+        text = json.dumps(renamed, ensure_ascii=False, sort_keys=True)
+        if len(text) > _TAG_VALUE_LIMIT:
+            warnings.warn(f"MLflow: the names of {sum(map(len, renamed.values()))} renamed keys exceed a tag's "
+                          f"{_TAG_VALUE_LIMIT} characters; {KEY_NAMES_TAG} holds the first ones", RuntimeWarning,
+                          stacklevel=3)
+            text = json.dumps(_within(renamed, _TAG_VALUE_LIMIT), ensure_ascii=False, sort_keys=True)
+        self._client.set_tag(self._active_run_id, KEY_NAMES_TAG, text)
+        self._recorded = renamed
 
     def _experiment_id(self) -> str:
         name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
@@ -202,8 +220,9 @@ class MlflowBackend(Backend):
 
         held = self._client.get_run(self._active_run_id).data.params
         params, changed = [], []
+        names = self._param_names.names(config)
         for key, value in config.items():
-            name, text = mlflow_key(key), str(value)[:_PARAM_VALUE_LIMIT]
+            name, text = names[key], str(value)[:_PARAM_VALUE_LIMIT]
             if name not in held:
                 params.append(Param(name, text))
             elif held[name] != text:
@@ -212,3 +231,16 @@ class MlflowBackend(Backend):
         if changed:
             warnings.warn(f"MLflow params cannot change; run {self._active_run_id} keeps its earlier values of "
                           f"{'; '.join(changed)}", RuntimeWarning, stacklevel=3)
+
+
+def _within(renamed: dict[str, dict[str, str]], limit: int) -> dict[str, dict[str, str]]:
+    """The first entries of ``renamed`` whose JSON fits in ``limit`` characters."""
+    kept: dict[str, dict[str, str]] = {kind: {} for kind in renamed}
+    size = len(json.dumps(kept))
+    for kind, names in renamed.items():
+        for name, key in sorted(names.items()):
+            entry = len(json.dumps({name: key}, ensure_ascii=False))
+            if size + entry > limit:
+                return kept
+            kept[kind][name], size = key, size + entry
+    return kept

@@ -14,7 +14,6 @@ purpose: it resumes a run, it does not show one.)
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from functools import cached_property
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import keys
+from .jsonlines import json_lines
 
 # Summary rows in reading order; other keys follow alphabetically, eval/* last.
 KEY_ORDER = (
@@ -75,27 +75,25 @@ def load_run(path: str) -> RunLog:
         path = candidate
     if not os.path.exists(path):
         raise RunLogError(f"{path}: no such file")
+    log = RunLog(path=path, records=[])
+    numbered: List[Tuple[int, Dict[str, float]]] = []
     try:
         with open(path, encoding="utf-8") as file:
-            lines = file.readlines()
+            for line in json_lines(file):  # streamed: a long log is never held as text
+                if not line.text.strip():
+                    continue
+                if line.cut:
+                    log.warnings.append(f"{path}, line {line.number}: incomplete last line skipped "
+                                        "(the run may still be writing it)")
+                elif line.error is not None:
+                    raise RunLogError(f"{path}, line {line.number}: not valid JSON ({line.error.msg}, "
+                                      f"column {line.error.colno})")
+                else:
+                    numbered.append((line.number, _record(line.value, path, line.number)))
     except UnicodeDecodeError:
         raise RunLogError(f"{path} is not a UTF-8 text file (a JSONL run log is)") from None
     except OSError as error:
         raise RunLogError(f"cannot read {path}: {error.strerror or error}") from None
-    log = RunLog(path=path, records=[])
-    numbered: List[Tuple[int, Dict[str, float]]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines) and not line.endswith("\n"):
-                log.warnings.append(f"{path}, line {number}: incomplete last line skipped "
-                                    "(the run may still be writing it)")
-                continue
-            raise RunLogError(f"{path}, line {number}: not valid JSON ({error.msg}, column {error.colno})") from None
-        numbered.append((number, _record(value, path, number)))
     if not numbered:
         raise RunLogError(f"{path} is empty: it holds no records")
     log.warnings += _timeline_warnings(path, numbered)

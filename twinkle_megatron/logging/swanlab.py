@@ -52,6 +52,7 @@ class SwanLabBackend(ExperimentBackend):
         self.mode = mode
         self.log_dir = log_dir
         self.init_kwargs = init_kwargs
+        self.last_run_id: Optional[str] = None  # the run this backend opened last (a restart in-process continues it)
 
     def open(self, run: RunStart) -> None:
         import swanlab
@@ -63,7 +64,8 @@ class SwanLabBackend(ExperimentBackend):
             return
         mode = self.mode or os.environ.get("SWANLAB_MODE")
         log_dir = self.log_dir or (os.path.join(run.log_dir, "swanlog") if run.log_dir else None)
-        run_id = self.run_id or (recall_run_id(run.log_dir, self.name) if run.continues else None)
+        run_id = (self.last_run_id if run.restart else None) or self.run_id or \
+            (recall_run_id(run.log_dir, self.name) if run.continues else None)
         options: dict[str, Any] = {"project": self.project, "experiment_name": self.experiment_name,
                                    "config": config, "mode": mode, "log_dir": log_dir, **self.init_kwargs}
         replay: dict[int, dict[str, float]] = {}
@@ -78,6 +80,7 @@ class SwanLabBackend(ExperimentBackend):
         self.start(swanlab.init(**{key: value for key, value in options.items() if value is not None}))
         for step in sorted(replay):
             self.run.log(replay[step], step=step)
+        self.last_run_id = self.run.id
         remember_run_id(run.log_dir, self.name, self.run.id)
 
     def finish_failed(self) -> None:

@@ -301,17 +301,25 @@ class MetricsTracker:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue a run: step numbering, totals and EMAs; backends drop what the old run logged after it.
 
-        Call it before the first step of the resumed run: the run's first step is
-        the saved step + 1.
+        The run's first step is the saved step + 1: every backend supersedes
+        what it holds from there on. Called after the tracker already logged
+        (a rollback to an earlier checkpoint in the same process, or a record
+        logged before the checkpoint was loaded), the backends are reopened at
+        that step and supersede again (``MetricsLogger.restart``), so no step is
+        logged twice; the steps ended since the last log step are dropped
+        (they belong to the abandoned timeline).
         """
-        if self._started:
-            warnings.warn("MetricsTracker.load_state_dict() after the run started: the logs keep the points of "
-                          "the steps already logged; load the state before the first step", RuntimeWarning,
-                          stacklevel=2)
         self.last_step = int(state_dict["step"])
         self.consumed_tokens = int(state_dict["consumed_tokens"])
         self.ema.load_state_dict(state_dict["ema"])
-        self._start(self.last_step + 1)
+        if self._started:
+            self._pending_steps = 0
+            if self._data is not None:
+                self._data.reset()
+                self._ranks.reset()
+            self.logger.restart(self.last_step + 1)
+        else:
+            self._start(self.last_step + 1)
         self.timer.restart_clock()
 
     # ------------------------------------------------------------ helpers
