@@ -57,8 +57,8 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TWINKLE_SLURM_MULTINODE_TEST") != "1" or not os.environ.get("SLURM_CONF"),
     reason="needs the two-host Slurm cluster: run `make test-slurm-multinode` (root)")
 
-STEPS = 12
-SAVE_INTERVAL = 3
+STEPS = 20
+SAVE_INTERVAL = 4
 NODE_TIMEOUT = 10  # SlurmdTimeout in multinode.sh
 KILL_WAIT = 30  # KillWait in multinode.sh
 GLOO_TIMEOUT = 300  # examples/train_gpt.py's process-group timeout: no rank may wait that long
@@ -234,9 +234,11 @@ def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(
     _wait("the resumed job (restart 2)",
           lambda: _running_past(job_id, run_dir, 2, 0) and len(_stopped_steps(output)) == 2, output)
     second_stop = _stopped_steps(output)[1]
-    # 3. A host lost mid-run, past a checkpoint and before the next one: the host of rank 0 (the batch script,
-    #    the rendezvous store, the log writer) vanishes: its cable is cut, every process on it killed.
+    # 3. A host lost mid-run, one step past a checkpoint (SAVE_INTERVAL - 1 steps before the next, which leaves
+    #    time to act): the host of rank 0 (the batch script, the rendezvous store, the log writer) vanishes:
+    #    its cable is cut, every process on it killed.
     checkpoint = (second_stop // SAVE_INTERVAL + 1) * SAVE_INTERVAL
+    assert checkpoint + SAVE_INTERVAL <= STEPS, (second_stop, "the run is too short for a loss between checkpoints")
     _wait("a checkpoint after the second resume", lambda: _running_past(job_id, run_dir, 2, checkpoint), output)
     hosts = json.loads((run_dir / "hosts.json").read_text())["hosts"]
     lost_node = hosts[0]
