@@ -23,7 +23,8 @@ MCORE_STAMP := $(MCORE_DIR)/.installed
 TEST_ENV := PYTHONPATH=$(abspath $(MCORE_DIR))
 endif
 
-.PHONY: setup test test-backends test-slurm test-twinkle test-bridge demo demo-moe lint bench clean triton kernel-test gpu-check
+.PHONY: setup test test-backends test-slurm test-slurm-multinode test-twinkle test-bridge demo demo-moe lint bench \
+	clean triton kernel-test gpu-check
 
 setup: $(STAMP)
 
@@ -66,6 +67,20 @@ test-slurm: $(STAMP)
 	status=0; TWINKLE_SLURM_TEST=1 SLURM_CONF=$(SLURM_TEST_DIR)/slurm.conf $(PY) -m pytest tests/slurm -v -s \
 		-p no:cacheprovider --basetemp=$(SLURM_TEST_DIR)/pytest || status=$$?; \
 	SLURM_TEST_DIR=$(SLURM_TEST_DIR) bash tests/slurm/cluster.sh stop || status=$$?; \
+	exit $$status
+
+# The same recipe with --nodes=2 on a real two-host Slurm on this machine (root): network namespaces, one slurmd
+# per host (tests/slurm/multinode.sh). The tests run in the hub's network namespace, where the controller is;
+# the cluster is torn down whatever the outcome, and `stop` fails if a daemon, namespace or interface is left.
+SLURM_MN_DIR ?= /tmp/twinkle-slurm-multinode
+SLURM_MN_TIMEOUT ?= 1800
+test-slurm-multinode: $(STAMP)
+	SLURM_MN_DIR=$(SLURM_MN_DIR) bash tests/slurm/multinode.sh start
+	status=0; SLURM_MN_DIR=$(SLURM_MN_DIR) timeout --kill-after=30 $(SLURM_MN_TIMEOUT) \
+		bash tests/slurm/multinode.sh in-hub env TWINKLE_SLURM_MULTINODE_TEST=1 \
+		SLURM_CONF=$(SLURM_MN_DIR)/slurm.conf $(PY) -m pytest tests/slurm/test_multinode.py -v -s \
+		-p no:cacheprovider --basetemp=$(SLURM_MN_DIR)/pytest || status=$$?; \
+	SLURM_MN_DIR=$(SLURM_MN_DIR) bash tests/slurm/multinode.sh stop || status=$$?; \
 	exit $$status
 
 # Twinkle's own code as the caller and the oracle: twinkle-kit 0.5.1 with its dependencies (transformers,

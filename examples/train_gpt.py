@@ -295,6 +295,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from twinkle_megatron import Accuracy, LossMetric, MetricsTracker, TokenStatsMetric
+    from twinkle_megatron.logging import record_rank_hosts
     from twinkle_megatron.megatron import instrument
     from twinkle_megatron.metric import SampleLosses
     from twinkle_megatron.tracker.incidents import read_skip_list
@@ -318,6 +319,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     if not args.resume and dist.get_rank() == 0 and os.path.exists(log_path):
         os.remove(log_path)  # a fresh run, not one appended to an older run's log
     dist.barrier()
+    # Which host each rank runs on (LOG_DIR/hosts.json, once per start): `twinkle-megatron summary` then names
+    # the node of the slowest rank, not only its number.
+    record_rank_hosts(args.run_dir)                                                      # <- plugin
     # instrument() computes what needs the logits, and the loss, over the blend and per corpus (each sample's
     # dataset_id read as the schedule pulls its batch); with MoE layers routing health too (per layer here: a
     # small model, and the heat map of `plot` reads them); and by token position (four buckets over the sequence:

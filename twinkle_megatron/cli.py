@@ -33,6 +33,7 @@ import sys
 from typing import NoReturn, Optional, Sequence, TextIO
 
 from . import keys
+from .logging.rank_hosts import read_rank_hosts
 from .logging.runlog import RunLog, RunLogError, load_run
 from .version import __version__
 
@@ -69,7 +70,34 @@ def format_summary(log: RunLog) -> str:
     for row in [header, *rows]:
         cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
         lines.append("  ".join(cells).rstrip())
+    lines += _slowest_nodes(log)
     return "\n".join(lines)
+
+
+def _slowest_nodes(log: RunLog) -> list[str]:
+    """With the run's ``hosts.json`` (``logging/rank_hosts.py``): how often each node held the slowest rank.
+
+    ``slowest node: mn2 held the slowest rank in 7 of 12 records (ranks 2, 3), mn1 in 5 (ranks 0, 1);
+    last: rank 3 on mn2``. Nothing without the file or without ``perf/slowest_rank``.
+    """
+    ranks = [int(value) for value in log.series(keys.SLOWEST_RANK)[1] if math.isfinite(value)]
+    try:
+        hosts = read_rank_hosts(os.path.dirname(os.path.abspath(log.path)))
+    except ValueError as error:
+        raise RunLogError(str(error)) from None
+    if not hosts or not ranks:
+        return []
+    unknown = sorted({rank for rank in ranks if not 0 <= rank < len(hosts)})
+    if unknown:
+        raise RunLogError(f"{log.path}: slowest ranks {unknown} are not in hosts.json's {len(hosts)} ranks")
+    counts: dict[str, list[int]] = {}
+    for rank in ranks:
+        counts.setdefault(hosts[rank], []).append(rank)
+    parts = [f"{host} {'held the slowest rank in ' if index == 0 else 'in '}{len(seen)}"
+             + (f" of {len(ranks)} records" if index == 0 else "")
+             + f" (ranks {', '.join(str(r) for r in sorted(set(seen)))})"
+             for index, (host, seen) in enumerate(sorted(counts.items(), key=lambda item: -len(item[1])))]
+    return ["", f"slowest node: {', '.join(parts)}; last: rank {ranks[-1]} on {hosts[ranks[-1]]}"]
 
 
 def _number(value: float) -> str:

@@ -11,6 +11,7 @@
 #           their recorded pids (TERM, then KILL after a grace period) and checks that none
 #           is left. Safe to call when nothing runs.
 #   status  prints sinfo and squeue.
+#   install only installs the packages when missing (tests/slurm/multinode.sh uses it).
 #
 # Everything lives in $SLURM_TEST_DIR (default /tmp/twinkle-slurm-test): configuration, munge
 # key and socket, state, spool, logs, pid files. Clients find the cluster through
@@ -227,8 +228,9 @@ stop() {
 }
 
 case ${1:-} in
+    install) mkdir -p "$DIR"; install_packages ;;
     start) start ;;
     stop) stop ;;
     status) sinfo; squeue ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    *) echo "usage: $0 start|stop|status|install" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ from .base import Backend, RunStart, numeric_record
 from .jsonl import JsonlBackend, read_jsonl
 from .manager import MetricsLogger
 from .mlflow import MlflowBackend
+from .rank_hosts import read_rank_hosts, record_rank_hosts
 from .stdout import StdoutBackend
 from .swanlab import SwanLabBackend
 from .tensorboard import TensorBoardBackend
@@ -50,4 +51,4 @@ def build_backend(spec: Union[str, Backend], log_dir: str = "logs", **options: A
 
 __all__ = ["Backend", "RunStart", "MetricsLogger", "StdoutBackend", "JsonlBackend", "TensorBoardBackend",
            "WandbBackend", "SwanLabBackend", "MlflowBackend", "build_backend", "numeric_record", "read_jsonl",
-           "BACKENDS"]
+           "record_rank_hosts", "read_rank_hosts", "BACKENDS"]
