@@ -59,8 +59,9 @@ _LINE: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     (keys.MEMORY_UTILIZATION, "mem_util", lambda v: f"{v:.0%}"),
 )
 # The compact line: what a glance at a console needs (the record has the rest).
+# The headline keys, each shown when the record has it (MoE routing's imbalance only for MoE models).
 COMPACT_KEYS = (keys.LOSS, "accuracy", keys.GRAD_NORM, keys.LEARNING_RATE, keys.TOKENS_PER_SECOND_PER_GPU,
-                keys.TFLOPS_PER_GPU, keys.MFU, keys.STEP_TIME, keys.MEMORY_PEAK_RESERVED)
+                keys.TFLOPS_PER_GPU, keys.MFU, keys.STEP_TIME, keys.MEMORY_PEAK_RESERVED, keys.MOE_IMBALANCE_MAX)
 DETAILS = ("compact", "full")
 # Shown above, or only of interest in charts.
 _COUNTS = {"correct_tokens", "total_tokens"}
@@ -81,7 +82,7 @@ class StdoutBackend(Backend):
 
     ``detail="compact"`` (the default) prints the headline keys (:data:`COMPACT_KEYS`: loss,
     accuracy, gradient norm, learning rate, tokens/s per GPU, TFLOP/s per GPU, MFU, step time,
-    peak memory) and then the ``extra_keys`` the record holds (``accuracy/<dataset>``...);
+    peak memory, and for MoE models the largest expert-load imbalance) and then the ``extra_keys`` the record holds (``accuracy/<dataset>``...);
     ``detail="full"`` prints every tracker key of the line and then every other
     numeric key (metrics of the collection, per-dataset keys, ``eval/*``), except per-layer MoE
     keys (``moe/layer_*``: layers × experts, for files and charts) and per-layer norms
