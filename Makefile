@@ -17,6 +17,8 @@ TRITON_VERSION ?= 3.7.1
 # Python >= 3.12 and run on 3.11 (--ignore-requires-python); 0.18 on import triton at `import megatron.core`,
 # installed beside it (TRITON_VERSION, without dependencies: torch never changes) where none is importable.
 MCORE ?=
+# Extra pytest arguments (CI runs the megatron-core matrix without the suites no release changes: see .ci/run).
+PYTEST_ARGS ?=
 ifneq ($(MCORE),)
 MCORE_DIR := .mcore/$(MCORE)
 MCORE_STAMP := $(MCORE_DIR)/.installed
@@ -36,7 +38,7 @@ $(STAMP): setup.py
 
 test: $(STAMP) $(MCORE_STAMP)
 	$(TEST_ENV) $(PY) -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
-	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py
+	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py $(PYTEST_ARGS)
 
 # Order-only on the venv: a changed setup.py reinstalls this package, not the megatron-core release.
 $(MCORE_STAMP): | $(STAMP)
