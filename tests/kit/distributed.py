@@ -1,4 +1,4 @@
-"""The multi-rank runner, public in the package (``twinkle_megatron.testing.distributed``); re-exported for the tests."""
+"""The multi-rank runner, public in the package (``twinkle_megatron.testing.distributed``); re-exported for tests."""
 
 from twinkle_megatron.testing.distributed import Layout, WorkerError, run_distributed
 
