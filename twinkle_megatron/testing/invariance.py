@@ -58,6 +58,7 @@ class RankRun:
     calculate_collectives: dict
     fed: bool  # whether this rank made any accumulate call
     host_syncs: tuple = ()  # what made the host wait inside accumulate (only when host syncs are allowed)
+    calls: int = 0  # how many accumulate calls this rank made
 
 
 Feed = Callable[[Any, Any, RankView, Any], Sequence[Call]]
@@ -76,7 +77,8 @@ def run_variants(metric_factory: Callable[[Any], Any], batch: Any, feed: Feed, v
             run_calls(metric, calls)
         with count_collectives() as calculated:
             result = metric.calculate()
-        runs.append(RankRun(result, dict(guard.collectives), dict(calculated), bool(calls), tuple(guard.host_syncs)))
+        runs.append(RankRun(result, dict(guard.collectives), dict(calculated), bool(calls), tuple(guard.host_syncs),
+                            len(calls)))
     return runs
 
 
@@ -94,6 +96,7 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
                             rel: float = 1e-5, rel_for: Optional[Mapping[str, float]] = None,
                             ignore: Sequence[str] = (), accumulate_collectives: Optional[Counts] = None,
                             calculate_collectives: Optional[Counts] = None, allow_host_syncs: bool = False,
+                            host_syncs_per_call: Optional[int] = None,
                             timeout: float = 60.0) -> dict[Layout, list[list[RankRun]]]:
     """Run a metric fed the way its caller feeds it on each layout; every rank must report the single-process result.
 
@@ -113,7 +116,9 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
       process on the whole batch (``RankView()``: a single process, no parallel_state);
     * ``accumulate_collectives`` (a ``{name: count}`` dict or a function of ``(layout, variant)``), when
       given, is what each rank that made calls issued inside ``accumulate``; a rank that made none issued
-      none. ``calculate_collectives`` is what every rank issued inside ``calculate()``.
+      none. ``calculate_collectives`` is what every rank issued inside ``calculate()``;
+    * ``host_syncs_per_call``, when given (it allows host syncs), is how many host syncs each
+      ``accumulate`` call made, on every rank, in every variant.
 
     A failure raises ``AssertionError`` naming the layout, the variant, the key and both values.
     ``batch`` is the global batch (any object; forked workers inherit it). Returns every layout's runs,
@@ -131,7 +136,7 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
     ...         super().__init__(device_mesh, process_group, **kwargs)
     ...         self.reset()
     ...     def accumulate(self, inputs, outputs):
-    ...         self.tokens += int((inputs["labels"] != -100).sum())  # a host sync: counted, allowed below
+    ...         self.tokens += int((inputs["labels"] != -100).sum())  # one host sync per call (counted)
     ...     def calculate(self):
     ...         tokens = sum(self.gather_results([self.tokens]))  # every DP (and CP) rank's count
     ...         self.reset()
@@ -144,12 +149,13 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
     ...         return []
     ...     return [Call({"labels": part}, {}) for part in split_microbatches(view.tokens(labels), microbatches)]
     >>> runs = assert_layout_invariant(lambda _: LabelTokens(), labels, [Layout(dp=2), Layout(cp=2)], feed=feed,
-    ...                                variants=(1, 2), allow_host_syncs=True)
+    ...                                variants=(1, 2), host_syncs_per_call=1)
     >>> rank0 = runs[Layout(dp=2)][0]  # rank 0's runs, one per variant
     >>> [(run.result, run.calculate_collectives, len(run.host_syncs)) for run in rank0]
     [({'label_tokens': 10}, {'all_gather': 2}, 1), ({'label_tokens': 10}, {'all_gather': 2}, 2)]
     """
     variants = tuple(variants)
+    allow_host_syncs = allow_host_syncs or host_syncs_per_call is not None
     single = None if expected is not None else run_variants(metric_factory, batch, feed, variants, RankView(),
                                                             allow_host_syncs)
     everything = {}
@@ -174,6 +180,10 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
                     want_counts = dict(_at(calculate_collectives, layout, variant))
                     assert run.calculate_collectives == want_counts, \
                         f"{where}: rank {rank} issued {run.calculate_collectives} in calculate, not {want_counts}"
+                if host_syncs_per_call is not None:
+                    assert len(run.host_syncs) == host_syncs_per_call * run.calls, \
+                        f"{where}: rank {rank} made {len(run.host_syncs)} host syncs in {run.calls} accumulate " \
+                        f"calls, not {host_syncs_per_call} per call: {list(run.host_syncs)}"
         everything[layout] = per_rank
     return everything
 
@@ -210,7 +220,7 @@ def _close(got: Any, want: float, rel: float) -> bool:
 
 
 def _match(got: Any, want: Any, rel: float, where: str, source: str) -> None:
-    mismatch = f"{where}: {got!r} here, {want!r} in {source}"
+    mismatch = f"{where}: reports {got!r}, {source} {want!r}"
     if isinstance(want, Mapping):
         assert isinstance(got, Mapping) and set(got) == set(want), mismatch
         for key in want:
