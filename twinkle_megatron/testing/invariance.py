@@ -96,7 +96,7 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
                             rel: float = 1e-5, rel_for: Optional[Mapping[str, float]] = None,
                             ignore: Sequence[str] = (), accumulate_collectives: Optional[Counts] = None,
                             calculate_collectives: Optional[Counts] = None, allow_host_syncs: bool = False,
-                            host_syncs_per_call: Optional[int] = None,
+                            host_syncs_per_call: Optional[int] = None, variants_agree: bool = False,
                             timeout: float = 60.0) -> dict[Layout, list[list[RankRun]]]:
     """Run a metric fed the way its caller feeds it on each layout; every rank must report the single-process result.
 
@@ -118,7 +118,10 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
       given, is what each rank that made calls issued inside ``accumulate``; a rank that made none issued
       none. ``calculate_collectives`` is what every rank issued inside ``calculate()``;
     * ``host_syncs_per_call``, when given (it allows host syncs), is how many host syncs each
-      ``accumulate`` call made, on every rank, in every variant.
+      ``accumulate`` call made, on every rank, in every variant;
+    * ``variants_agree``: the variants are only other ways of feeding the same batch (microbatch
+      splits, input forms), so every variant reports what the first reports (in the single process,
+      and on every layout), within the same tolerances.
 
     A failure raises ``AssertionError`` naming the layout, the variant, the key and both values.
     ``batch`` is the global batch (any object; forked workers inherit it). Returns every layout's runs,
@@ -158,10 +161,14 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
     allow_host_syncs = allow_host_syncs or host_syncs_per_call is not None
     single = None if expected is not None else run_variants(metric_factory, batch, feed, variants, RankView(),
                                                             allow_host_syncs)
+    if single is not None and variants_agree:
+        _assert_variants_agree([run.result for run in single], variants, "single process", rel, rel_for, ignore)
     everything = {}
     for layout in layouts:
         per_rank = run_distributed(_on_megatron_rank, layout=layout, timeout=timeout,
                                    args=(metric_factory, batch, feed, variants, allow_host_syncs))
+        if variants_agree and single is None:  # else: each variant matches the single process's, which agree
+            _assert_variants_agree([run.result for run in per_rank[0]], variants, str(layout), rel, rel_for, ignore)
         for index, variant in enumerate(variants):
             where = f"{layout}, variant {variant!r}"
             runs = [rank_runs[index] for rank_runs in per_rank]
@@ -186,6 +193,13 @@ def assert_layout_invariant(metric_factory: Callable[[Any], Any], batch: Any, la
                         f"calls, not {host_syncs_per_call} per call: {list(run.host_syncs)}"
         everything[layout] = per_rank
     return everything
+
+
+def _assert_variants_agree(results: Sequence[Mapping[str, Any]], variants: Sequence[Any], where: str, rel: float,
+                           rel_for: Optional[Mapping[str, float]], ignore: Sequence[str]) -> None:
+    for result, variant in zip(results[1:], variants[1:]):
+        assert_matches(result, results[0], rel=rel, rel_for=rel_for, ignore=ignore,
+                       where=f"{where}, variant {variant!r}", source=f"variant {variants[0]!r}")
 
 
 def calculate_or_error(metric: Any, error: type[Exception]) -> Union[dict, str]:
