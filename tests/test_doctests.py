@@ -11,7 +11,8 @@ MODULES = ["twinkle_megatron.metric.accuracy", "twinkle_megatron.metric.logprob_
            "twinkle_megatron.metric.loss", "twinkle_megatron.metric.train", "twinkle_megatron.metric.grpo",
            "twinkle_megatron.metric.dpo", "twinkle_megatron.metric.embedding",
            "twinkle_megatron.metric.completion_reward", "twinkle_megatron.metric.ppo",
-           "twinkle_megatron.metric.collection", "twinkle_megatron.ops.token_stats"]
+           "twinkle_megatron.metric.collection", "twinkle_megatron.ops.token_stats",
+           "twinkle_megatron.testing.invariance"]
 
 
 @pytest.mark.parametrize("name", MODULES)
