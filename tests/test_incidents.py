@@ -62,7 +62,7 @@ def _train(log_dir: str, distributed_optimizer: bool) -> dict:
             collectives[step], flags[step] = dict(counted), flag_reasons(record)
         tracker.close()
         metrics.detach()
-    return {"collectives": collectives, "flags": flags, "incident": tracker.incidents.last_incident}
+    return {"collectives": collectives, "flags": flags, "incident": tracker.last_incident}
 
 
 def _forward_step(data_iterator, model):
