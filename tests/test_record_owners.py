@@ -18,11 +18,10 @@ from kit.megatron_gpt import GPTSpec, make_batch
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 from kit.owners import owners, spy_on_computes
 
-from twinkle_megatron import Accuracy, LossMetric, MetricCollection, MetricsTracker, TokenStatsMetric, TrackerConfig
-from twinkle_megatron import keys
+from twinkle_megatron import Accuracy, LossMetric, MetricCollection, MetricsTracker, TokenStatsMetric, keys
 from twinkle_megatron.megatron import HookFailures, instrument
 from twinkle_megatron.metric import SampleLosses
-from twinkle_megatron.tracker import MemorySnapshot
+from twinkle_megatron.tracker import MemorySnapshot, TrackerConfig
 from twinkle_megatron.tracker import step_states as tracker_module
 
 # Counts two metrics report alike on purpose (each from its own states; the merge checks they agree).
@@ -111,7 +110,7 @@ def test_every_key_of_an_instrumented_megatron_run_has_one_owner():
     results = run_distributed(_instrumented_run, layout=Layout(tp=2, pp=2), timeout=240)
     for rank_result in results:
         assert rank_result == results[0]  # the same record, and the same owners, on every rank
-    for record, found in results[0]:
+    for _, found in results[0]:
         for key, classes in found.items():
             assert classes, f"{key!r}: no compute returned it"
             assert len(classes) == 1 or set(classes) == SHARED.get(key), f"{key!r} is returned by {classes}"

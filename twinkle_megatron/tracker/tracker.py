@@ -112,7 +112,7 @@ class MetricsTracker:
         self.last_step = 0
         self.consumed_tokens = 0
         self.last_record: dict[str, float] = {}
-        self.last_incident: Optional[dict[str, Any]] = None  # of the last log step, when it was flagged
+        self.last_incident: Optional[dict[str, Any]] = None  # of the last flagged log step (tracker/incidents.py)
         self._pending_steps = 0  # steps ended since the last log (host count: every rank ends every step)
         self._started = False  # the run's first step is known (and given to the logger)
         self._closed = False
@@ -234,9 +234,9 @@ class MetricsTracker:
                                              f"{keys.METRIC_HOOK_FAILURES}); instrument().calculate() raises them")
         self.last_record = record
         self.logger.log(record, step)
-        self.last_incident = None
         if self._samples is not None or self._layer_norms is not None:
-            self.last_incident = self.incidents.report(record, step)  # a flagged record costs one gather
+            incident = self.incidents.report(record, step)  # a flagged record (known on every rank): one gather
+            self.last_incident = incident if incident is not None else self.last_incident
         return record
 
     def log_eval(self, step: Optional[int] = None, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
