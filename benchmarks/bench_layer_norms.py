@@ -36,14 +36,15 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     from kit.megatron_training import build_trained_gpt, train_forward_backward
     from megatron.core import parallel_state
 
-    from twinkle_megatron import MetricsTracker
+    from twinkle_megatron import MetricsTracker, TrackerConfig
 
     parallel_state.initialize_model_parallel()
     spec = GPTSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8, vocab_size=1024,
                    max_sequence_length=args.seq)
     chunks, optimizer = build_trained_gpt(spec, lr=1e-4)
     batch = make_batch(spec, global_batch_size=args.batch, seq_length=args.seq)
-    trackers = {mode: MetricsTracker(log_interval=args.log_interval, backends=()) for mode in ("step", "norms")}
+    config = TrackerConfig(log_interval=args.log_interval, backends=())
+    trackers = {mode: MetricsTracker(config=config) for mode in ("step", "norms")}
 
     def step(mode: str) -> None:
         tracker = trackers[mode]

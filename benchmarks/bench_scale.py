@@ -96,7 +96,7 @@ def worker(dim: int, repeats: int) -> dict:
     recorder = RecordAllReduces()
     with recorder, count_collectives() as counted:
         collection.calculate()
-    tracker = tm.MetricsTracker(log_interval=1, metrics=collection.metrics, backends=())
+    tracker = tm.MetricsTracker(config=tm.TrackerConfig(log_interval=1, backends=()), metrics=collection.metrics)
     tracker_recorder = RecordAllReduces()
     tracker.start_step()
     feed(collection.metrics, rank, dim)

@@ -94,12 +94,12 @@ def microbatches(args: argparse.Namespace, generator: torch.Generator) -> list[d
 def run_block(mode: str, args: argparse.Namespace, ddp, config, optimizer, data: list) -> tuple[float, float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from twinkle_megatron import MetricsTracker
+    from twinkle_megatron import MetricsTracker, TrackerConfig
     from twinkle_megatron.megatron import instrument
 
     schedule = get_forward_backward_func()
     metrics = instrument(ddp, fused_loss=mode.startswith("fused")) if mode != "plain" else None
-    tracker = MetricsTracker(log_interval=len(data), metrics=metrics.metrics, backends=()) \
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=len(data), backends=()), metrics=metrics.metrics) \
         if mode.endswith("tracker") else None
     step_func = metrics.wrap(forward_step) if metrics else forward_step
 

@@ -294,7 +294,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from twinkle_megatron import Accuracy, LossMetric, MetricsTracker, TokenStatsMetric
+    from twinkle_megatron import Accuracy, LossMetric, MetricsTracker, TokenStatsMetric, TrackerConfig
     from twinkle_megatron.logging import record_rank_hosts
     from twinkle_megatron.megatron import instrument
     from twinkle_megatron.metric import SampleLosses
@@ -331,11 +331,10 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                                   TokenStatsMetric(vocab_size=args.vocab_size, **corpora), LossMetric(**corpora),
                                   SampleLosses(dataset_names=list(CORPORA))],  # top samples for incidents
                          moe_per_layer=bool(args.moe_experts))
-    tracker = MetricsTracker(                                                            # <- plugin
-        log_interval=args.log_interval, metrics=metrics.metrics, model_config=config,
-        padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-        global_batch_size=global_batch_size, backends=console_backends(args), log_dir=args.run_dir,
-        spike_threshold=args.spike_threshold)
+    tracker = MetricsTracker(config=TrackerConfig(                                       # <- plugin
+        log_interval=args.log_interval, model_config=config, padded_vocab_size=args.padded_vocab_size,
+        seq_length=args.seq_length, global_batch_size=global_batch_size, backends=console_backends(args),
+        log_dir=args.run_dir, spike_threshold=args.spike_threshold), metrics=metrics.metrics)
     first_step = load_checkpoint(args, chunks, optimizer, tracker) + 1 if args.resume else 1
     blend = blended_dataset(args, args.steps * global_batch_size)
 

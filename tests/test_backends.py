@@ -42,7 +42,7 @@ from twinkle_megatron.logging import (
 )
 from twinkle_megatron.logging.mlflow import KEY_NAMES_TAG, SUPERSEDED_BY_TAG
 from twinkle_megatron.logging.mlflow_names import mlflow_key
-from twinkle_megatron.tracker import MetricsTracker
+from twinkle_megatron.tracker import MetricsTracker, TrackerConfig
 
 PACKAGES = ("tensorboard", "wandb", "mlflow", "swanlab")
 
@@ -84,8 +84,9 @@ def _attempt(run_dir: str, tracking_uri: str, steps: range, loss_offset: float, 
     """One job: the tracker with every backend, a TrainMetric with two parameter groups (Twinkle's keys)."""
     train = TrainMetric()
     backends = _backends(run_dir, tracking_uri) if backends is None else backends
-    tracker = MetricsTracker(log_interval=1, metrics=[train], backends=backends,
-                             log_dir=run_dir, run_config={"optimizer": {"name": "adam", "lr": 1e-3}, "seed": 7})
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=backends, log_dir=run_dir,
+                                                  run_config={"optimizer": {"name": "adam", "lr": 1e-3}, "seed": 7}),
+                             metrics=[train])
     if checkpoint is not None:
         tracker.load_state_dict(checkpoint["tracker"])
         train.load_state_dict(checkpoint["train"])
@@ -481,7 +482,8 @@ def test_wandb_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, mo
     _environment(monkeypatch, tmp_path)
     user_run = wandb.init(project="mine", dir=str(tmp_path), config={"mine": 1})
     try:
-        tracker = MetricsTracker(log_interval=1, backends=["wandb"], log_dir=str(tmp_path), run_config={"seed": 3})
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=["wandb"], log_dir=str(tmp_path),
+                                                      run_config={"seed": 3}))
         for step in (1, 2, 3):
             tracker.end_step(step, loss=float(step))
         tracker.close()
@@ -502,7 +504,7 @@ def test_mlflow_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, m
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
         with mlflow.start_run() as user_run:
-            tracker = MetricsTracker(log_interval=1, backends=["mlflow"], log_dir=str(tmp_path))
+            tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=["mlflow"], log_dir=str(tmp_path)))
             for step in (1, 2):
                 tracker.end_step(step, loss=float(step))
             tracker.close()
@@ -523,7 +525,7 @@ def test_swanlab_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, 
     _environment(monkeypatch, tmp_path)
     user_run = swanlab.init(project="mine", mode="offline", log_dir=str(tmp_path / "mine"))
     try:
-        tracker = MetricsTracker(log_interval=1, backends=["swanlab"], log_dir=str(tmp_path))
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=["swanlab"], log_dir=str(tmp_path)))
         for step in (1, 2):
             tracker.end_step(step, loss=float(step))
         tracker.close()
@@ -542,7 +544,7 @@ def test_swanlab_run_started_by_the_user_is_logged_into_and_left_open(tmp_path, 
 def _wandb_training(log_dir: str, backend="wandb") -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a disabled backend fails the test
-        tracker = MetricsTracker(log_interval=1, backends=[backend], log_dir=log_dir)
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[backend], log_dir=log_dir))
         tracker.end_step(1, loss=1.0)
         tracker.close()
     with open(os.path.join(log_dir, "run_ids.json")) as file:
@@ -583,7 +585,8 @@ def test_a_failing_mlflow_backend_leaves_no_active_run(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=uri)
     client.delete_experiment(client.create_experiment("gone"))  # MLflow refuses new runs in it
-    tracker = MetricsTracker(log_interval=1, backends=[MlflowBackend(experiment="gone", tracking_uri=uri)])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[MlflowBackend(experiment="gone",
+                                                                                          tracking_uri=uri)]))
     with pytest.warns(RuntimeWarning, match="'mlflow' failed and is disabled"):
         tracker.end_step(1, loss=1.0)
     tracker.close()
@@ -605,8 +608,9 @@ def test_mlflow_keys_twinkle_names_are_logged_not_fatal(tmp_path, monkeypatch):
     _environment(monkeypatch, tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     train = TrainMetric()
-    tracker = MetricsTracker(log_interval=1, metrics=[train], log_dir=str(tmp_path),
-                             backends=[MlflowBackend(experiment="keys", tracking_uri=uri)])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, log_dir=str(tmp_path),
+                                                  backends=[MlflowBackend(experiment="keys", tracking_uri=uri)]),
+                             metrics=[train])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no backend may be disabled
         train.accumulate(None, {"lr": [1e-3, 5e-4], "step": 1})
@@ -694,7 +698,7 @@ def test_tensorboard_restart_from_scratch_supersedes_every_loader_sees_it(tmp_pa
 
     log_dir = str(tmp_path / "tb")
     for attempt in (1, 2):
-        tracker = MetricsTracker(log_interval=1, backends=[TensorBoardBackend(log_dir)])
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[TensorBoardBackend(log_dir)]))
         for step in range(1, 4 if attempt == 2 else 6):
             tracker.end_step(step, loss=10.0 * attempt + step)
         tracker.close()
@@ -715,10 +719,12 @@ def test_mlflow_run_id_recorded_for_another_store_starts_a_new_run(tmp_path, mon
 
     _environment(monkeypatch, tmp_path)
     first_uri, second_uri = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
-    tracker = MetricsTracker(log_interval=1, log_dir=str(tmp_path), backends=[MlflowBackend(tracking_uri=first_uri)])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, log_dir=str(tmp_path),
+                                                  backends=[MlflowBackend(tracking_uri=first_uri)]))
     tracker.end_step(1, loss=1.0)
     tracker.close()
-    resumed = MetricsTracker(log_interval=1, log_dir=str(tmp_path), backends=[MlflowBackend(tracking_uri=second_uri)])
+    resumed = MetricsTracker(config=TrackerConfig(log_interval=1, log_dir=str(tmp_path),
+                                                  backends=[MlflowBackend(tracking_uri=second_uri)]))
     resumed.load_state_dict(tracker.state_dict())
     with pytest.warns(RuntimeWarning, match="is not in this tracking store; starting a new run"):
         resumed.end_step(2, loss=2.0)
@@ -777,7 +783,7 @@ def test_a_late_load_state_dict_leaves_no_step_twice_in_any_backend(tmp_path, mo
                 WandbBackend(project="late", directory=run_dir, rewind=rewind),
                 MlflowBackend(experiment="late", tracking_uri=uri),
                 SwanLabBackend(project="late", mode="offline", log_dir=os.path.join(run_dir, "swanlog"))]
-    tracker = MetricsTracker(log_interval=1, backends=backends, log_dir=run_dir)
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=backends, log_dir=run_dir))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, 9):

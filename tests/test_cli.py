@@ -13,7 +13,7 @@ import torch
 
 from twinkle_megatron.cli import main
 from twinkle_megatron.logging.runlog import load_run
-from twinkle_megatron.tracker import MetricsTracker
+from twinkle_megatron.tracker import MetricsTracker, TrackerConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PANELS = ["overview.png", "loss.png", "accuracy.png", "token_stats.png", "throughput.png", "mfu.png", "memory.png",
@@ -93,7 +93,7 @@ def test_plot_draws_per_dataset_curves_on_one_panel(tmp_path, capsys):
 def test_plot_of_a_real_cpu_tracker_log_skips_what_cpu_runs_lack(tmp_path, capsys):
     """The tracker's own JSONL (CPU: no memory, no MFU) → the charts it can have, default output dir."""
     pytest.importorskip("matplotlib")
-    tracker = MetricsTracker(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path / "run"))
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path / "run")))
     for step in range(1, 9):
         tracker.start_step()
         tracker.end_step(step, loss=torch.tensor([64.0 * 2 / step, 64.0]), grad_norm=1 / step, lr=1e-3, tokens=64)
@@ -247,7 +247,7 @@ def test_repeated_and_backward_steps_warn_and_the_later_value_wins(tmp_path, cap
 def test_a_tracker_log_after_a_restart_reads_without_warnings(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     for _ in range(2):  # a requeue before the first checkpoint: the run starts at step 1 again
-        tracker = MetricsTracker(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path))
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path)))
         for step in range(1, 5):
             tracker.end_step(step, loss=1.0)
         tracker.close()

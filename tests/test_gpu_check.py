@@ -105,9 +105,10 @@ def test_record_verdict() -> None:
 
 def test_summary_of_a_real_tracker_log(tmp_path: Path) -> None:
     """A JSONL written by the real MetricsTracker (CPU: no memory keys), read back as gpu-check reads it."""
-    from twinkle_megatron import MetricsTracker
+    from twinkle_megatron import MetricsTracker, TrackerConfig
 
-    tracker = MetricsTracker(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path), flops_per_step=1e9)
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=2, backends=("jsonl",), log_dir=str(tmp_path),
+                                                  flops_per_step=1e9))
     for step in range(1, 7):
         with tracker.step(step) as values:
             values.update(loss=[{"lm loss": torch.tensor([12.0 - step, 4.0])}], grad_norm=1.0, lr=1e-3)

@@ -36,6 +36,7 @@ from twinkle_megatron import (
     MetricCollection,
     MetricsTracker,
     TokenStatsMetric,
+    TrackerConfig,
     TrainMetric,
 )
 from twinkle_megatron.megatron import instrument
@@ -273,7 +274,7 @@ def _tracked(group_names: tuple) -> dict:
     with cpu_cuda_shim():
         chunks = build_gpt_model(SPEC)
         with instrument(chunks, vocab_size=TRUE_VOCAB, group_names=group_names) as metrics:
-            tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=())
+            tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()), metrics=metrics.metrics)
             with tracker.step(1) as values:
                 reports = run_forward_backward(chunks, _gpt_batch(), micro_batch_size=2, forward_only=True,
                                                forward_step_func=metrics.wrap(gpt_forward_step))

@@ -22,7 +22,7 @@ from kit.guards import count_collectives
 from kit.megatron_gpt import GPTSpec, make_batch
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 
-from twinkle_megatron import MetricsTracker
+from twinkle_megatron import MetricsTracker, TrackerConfig
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.metric import LossMetric, SampleLosses
 from twinkle_megatron.tracker.incidents import flag_reasons, format_incident, load_incidents, read_skip_list
@@ -47,8 +47,8 @@ def _train(log_dir: str, distributed_optimizer: bool) -> dict:
         chunks, optimizer = build_trained_gpt(SPEC, distributed_optimizer=distributed_optimizer, lr=0.03)
         metrics = instrument([c.module for c in chunks], [LossMetric(group_names=["even", "odd"]),
                                                            SampleLosses(top_k=3, dataset_names=["even", "odd"])])
-        tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=("jsonl",), log_dir=log_dir,
-                                 ema_alpha=1.0, spike_threshold=0.1)
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=("jsonl",), log_dir=log_dir,
+                                                      ema_alpha=1.0, spike_threshold=0.1), metrics=metrics.metrics)
         collectives, flags = {}, {}
         for step in range(1, STEPS + 1):
             tracker.start_step()
@@ -62,7 +62,7 @@ def _train(log_dir: str, distributed_optimizer: bool) -> dict:
             collectives[step], flags[step] = dict(counted), flag_reasons(record)
         tracker.close()
         metrics.detach()
-    return {"collectives": collectives, "flags": flags, "incident": tracker.incidents.last_incident}
+    return {"collectives": collectives, "flags": flags, "incident": tracker.last_incident}
 
 
 def _forward_step(data_iterator, model):
@@ -104,7 +104,7 @@ def _plain(with_samples: bool) -> dict:
         chunks, optimizer = build_trained_gpt(SPEC)
         extra = [SampleLosses()] if with_samples else []
         metrics = instrument([c.module for c in chunks], [LossMetric(), *extra])
-        tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=())
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()), metrics=metrics.metrics)
         counts = []
         for step in (1, 2):
             train_forward_backward(chunks, _batch(1), micro_batch_size=MICRO_BATCH,

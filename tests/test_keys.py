@@ -6,7 +6,7 @@ import torch
 from kit.readme import key_table
 
 from twinkle_megatron import keys
-from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floating_point_operations
+from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, TrackerConfig, num_floating_point_operations
 from twinkle_megatron.tracker import step_states as tracker_module
 
 
@@ -22,8 +22,9 @@ def test_every_key_the_tracker_reports_is_in_the_table(monkeypatch):
                               total_gib=80.0, alloc_retries=0, ooms=0)
     monkeypatch.setattr(tracker_module, "read_device_memory", lambda: snapshot)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64)
-    tracker = MetricsTracker(log_interval=2, backends=(), model_config=config, padded_vocab_size=128,
-                             seq_length=16, global_batch_size=4, device_name="NVIDIA H100 80GB HBM3")
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=2, backends=(), model_config=config,
+                                                  padded_vocab_size=128, seq_length=16, global_batch_size=4,
+                                                  device_name="NVIDIA H100 80GB HBM3"))
     assert tracker.flops_per_step == num_floating_point_operations(config, 4, 16, 128)
     reported = set()
     for step in range(1, 5):

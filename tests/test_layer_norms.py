@@ -27,7 +27,7 @@ from kit.megatron_gpt import GPTSpec, canonical_names, make_batch
 from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 
-from twinkle_megatron import MetricsTracker, keys
+from twinkle_megatron import MetricsTracker, TrackerConfig, keys
 from twinkle_megatron.megatron.layer_grads import LayerParameters
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
@@ -84,7 +84,7 @@ def _layout_worker(distributed_optimizer: bool, moe: Optional[MoESpec] = None, e
     with cpu_cuda_shim():
         chunks, optimizer = build_trained_gpt(MOE_SPEC if moe else SPEC, distributed_optimizer=distributed_optimizer,
                                               moe=moe)
-        tracker = MetricsTracker(log_interval=1, backends=())
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()))
         train_forward_backward(chunks, _batch(), micro_batch_size=MICRO_BATCH)
         with forbid_host_sync():
             tracker.record_grad_norms(chunks, optimizer)
@@ -92,7 +92,7 @@ def _layout_worker(distributed_optimizer: bool, moe: Optional[MoESpec] = None, e
         megatron_norm = optimizer.get_grad_norm()  # what step() clips by (clip_grad_norm computes the same)
         record = tracker.end_step(1, grad_norm=megatron_norm)
         # The same step without the feature: the log step's collectives must be the same.
-        plain = MetricsTracker(log_interval=1, backends=())
+        plain = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()))
         with count_collectives() as plain_collectives:
             plain.end_step(1, grad_norm=megatron_norm)
         train_forward_backward(chunks, _batch(), micro_batch_size=MICRO_BATCH)
@@ -174,7 +174,7 @@ def test_global_layer_numbers_under_virtual_pipeline_stages():
 
 
 def test_record_grad_norms_is_opt_in():
-    tracker = MetricsTracker(log_interval=1, backends=())
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()))
     record = tracker.end_step(1, loss=torch.tensor([4.0, 2.0]))
     assert not any(key.startswith((keys.GRAD_NORM_PREFIX, keys.PARAM_NORM_PREFIX)) for key in record)
 
@@ -183,7 +183,7 @@ def _without_optimizer_worker() -> str:
     with cpu_cuda_shim():
         chunks, _ = build_trained_gpt(SPEC, distributed_optimizer=True)
         try:
-            MetricsTracker(log_interval=1, backends=()).record_grad_norms(chunks)
+            MetricsTracker(config=TrackerConfig(log_interval=1, backends=())).record_grad_norms(chunks)
         except ValueError as error:
             return str(error)
     return "no error"

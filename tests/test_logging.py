@@ -26,7 +26,7 @@ from twinkle_megatron.logging import (
     read_jsonl,
 )
 from twinkle_megatron.logging.stdout import significant
-from twinkle_megatron.tracker import MetricsTracker
+from twinkle_megatron.tracker import MetricsTracker, TrackerConfig
 
 
 def test_jsonl_round_trip(tmp_path):
@@ -109,7 +109,7 @@ class ExplodingBackend(Backend):
 
 def test_a_failing_write_warns_once_and_training_continues(tmp_path):
     exploding, jsonl = ExplodingBackend(), JsonlBackend(str(tmp_path / "m.jsonl"))
-    tracker = MetricsTracker(log_interval=1, backends=[exploding, jsonl])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[exploding, jsonl]))
     with pytest.warns(RuntimeWarning, match=r"'exploding' failed and is disabled.*disk full") as caught:
         for _ in range(3):
             tracker.end_step(loss=1.0)
@@ -121,7 +121,7 @@ def test_a_failing_write_warns_once_and_training_continues(tmp_path):
 def test_a_backend_that_cannot_be_imported_warns_once(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # "import wandb" raises ImportError
     jsonl = JsonlBackend(str(tmp_path / "m.jsonl"))
-    tracker = MetricsTracker(log_interval=1, backends=["wandb", jsonl], log_dir=str(tmp_path))
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=["wandb", jsonl], log_dir=str(tmp_path)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -143,7 +143,8 @@ def _write_from(writer_rank: int, directory: str) -> bool:
     import torch.distributed as dist
 
     path = os.path.join(directory, f"rank{dist.get_rank()}.jsonl")
-    tracker = MetricsTracker(log_interval=1, backends=[JsonlBackend(path)], writer_rank=writer_rank)
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[JsonlBackend(path)],
+                                                  writer_rank=writer_rank))
     tracker.end_step(loss=torch.tensor(1.0))
     tracker.close()
     return os.path.exists(path)
@@ -156,14 +157,14 @@ def test_only_the_writer_rank_writes(tmp_path):
 
 def test_resume_from_a_state_dict_continues_steps_without_duplicates(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
-    first = MetricsTracker(log_interval=2, backends=[JsonlBackend(path)])
+    first = MetricsTracker(config=TrackerConfig(log_interval=2, backends=[JsonlBackend(path)]))
     for step in range(1, 11):
         first.end_step(step, loss=10.0, tokens=4)
         if step == 6:
             checkpoint = first.state_dict()  # saved with the model at step 6
     first.close()  # then the job dies at step 10
     assert [r["step"] for r in read_jsonl(path)] == [1, 2, 4, 6, 8, 10]
-    resumed = MetricsTracker(log_interval=2, backends=[JsonlBackend(path)])
+    resumed = MetricsTracker(config=TrackerConfig(log_interval=2, backends=[JsonlBackend(path)]))
     resumed.load_state_dict(checkpoint)
     for _ in range(6):
         resumed.end_step(loss=20.0, tokens=4)  # steps 7..12, numbered by the tracker
@@ -178,7 +179,7 @@ def test_log_eval_writes_eval_keys_at_the_training_step(tmp_path):
     from twinkle_megatron import LossMetric
 
     path = str(tmp_path / "metrics.jsonl")
-    tracker = MetricsTracker(log_interval=1, backends=[JsonlBackend(path)])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[JsonlBackend(path)]))
     tracker.end_step(loss=2.0)
     metric = LossMetric()
     metric.accumulate({}, {"loss": 1.5})
@@ -199,10 +200,10 @@ def test_a_run_appended_to_a_log_with_a_cut_last_line_starts_on_a_fresh_line(tmp
     """A killed job left half a record; the next run's records are whole lines, the earlier ones untouched."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
-    saved = MetricsTracker(log_interval=1, backends=())
+    saved = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()))
     saved.end_step(1, loss=2.0)
     saved.end_step(2, loss=1.5)
-    tracker = MetricsTracker(log_interval=1, backends=[JsonlBackend(str(path))])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[JsonlBackend(str(path))]))
     tracker.load_state_dict(saved.state_dict())  # the job's checkpoint at step 2
     tracker.end_step(loss=1.25)
     tracker.close()
@@ -216,7 +217,7 @@ def test_a_restart_without_a_checkpoint_supersedes_the_whole_log(tmp_path):
     """``train_gpt.py --resume`` before the first save: the run starts at step 1 again; no step is logged twice."""
     path = tmp_path / "metrics.jsonl"
     for attempt in (1, 2):
-        tracker = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(path))])
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=5, backends=[JsonlBackend(str(path))]))
         for step in range(1, 11):
             tracker.end_step(step, loss=float(attempt), tokens=2)
         tracker.close()
@@ -231,7 +232,7 @@ def test_the_first_step_is_known_before_the_first_log_step(tmp_path):
     """Resumed at 11 with log_interval 5, the first record is step 15: the old run's steps 11–14 go all the same."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 21)))
-    tracker = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(path))])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=5, backends=[JsonlBackend(str(path))]))
     for step in range(11, 16):  # no load_state_dict: the first end_step says where this run starts
         tracker.end_step(step, loss=2.0)
     tracker.close()
@@ -240,7 +241,7 @@ def test_the_first_step_is_known_before_the_first_log_step(tmp_path):
 
 def test_close_logs_the_last_partial_interval(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    tracker = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(path))])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=5, backends=[JsonlBackend(str(path))]))
     for _ in range(7):
         tracker.end_step(loss=3.0, tokens=4)
     tracker.close()
@@ -248,7 +249,7 @@ def test_close_logs_the_last_partial_interval(tmp_path):
     records = read_jsonl(str(path))
     assert [r["step"] for r in records] == [1, 5, 7]
     assert records[-1]["train/consumed_tokens"] == 28, "steps 6 and 7 are counted"
-    exact = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(tmp_path / "exact.jsonl"))])
+    exact = MetricsTracker(config=TrackerConfig(log_interval=5, backends=[JsonlBackend(str(tmp_path / "exact.jsonl"))]))
     for _ in range(10):
         exact.end_step(loss=3.0)
     exact.close()
@@ -256,7 +257,8 @@ def test_close_logs_the_last_partial_interval(tmp_path):
 
 
 def _close_on_every_rank(directory: str) -> list:
-    tracker = MetricsTracker(log_interval=4, backends=[JsonlBackend(os.path.join(directory, "metrics.jsonl"))])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=4,
+                                                  backends=[JsonlBackend(os.path.join(directory, "metrics.jsonl"))]))
     for step in range(1, 7):
         tracker.end_step(step, loss=torch.tensor([2.0, 1.0]), tokens=3)
     tracker.close()  # collective: steps 5 and 6 are reduced over the ranks
@@ -342,8 +344,8 @@ def test_a_log_path_that_is_not_a_regular_file_is_refused_once_and_training_goes
         path = str(tmp_path / "directory")
         os.mkdir(path)
     other = JsonlBackend(str(tmp_path / "other.jsonl"))
-    tracker = MetricsTracker(log_interval=1, backends=[JsonlBackend(path), other])
-    tracker.load_state_dict({**MetricsTracker(backends=()).state_dict(), "step": 4})
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=[JsonlBackend(path), other]))
+    tracker.load_state_dict({**MetricsTracker(config=TrackerConfig(backends=())).state_dict(), "step": 4})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -385,7 +387,7 @@ def test_a_rollback_in_the_same_process_supersedes_from_the_loaded_step(tmp_path
     4, 5, 6 twice, silently); the abandoned records are kept beside it; steps pending since the last log are
     dropped with the timeline they belong to."""
     path = tmp_path / "metrics.jsonl"
-    tracker = MetricsTracker(log_interval=2, backends=[JsonlBackend(str(path))])
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=2, backends=[JsonlBackend(str(path))]))
     for step in range(1, 8):
         tracker.end_step(step, loss=float(step), tokens=1)
         if step == 4:
@@ -408,8 +410,8 @@ def test_a_checkpoint_loaded_after_an_early_record_supersedes_and_says_what_was_
     earlier run were moved aside then."""
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 16)))
-    saved = {**MetricsTracker(backends=()).state_dict(), "step": 10}
-    tracker = MetricsTracker(log_interval=5, backends=[JsonlBackend(str(path))])
+    saved = {**MetricsTracker(config=TrackerConfig(backends=())).state_dict(), "step": 10}
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=5, backends=[JsonlBackend(str(path))]))
     tracker.log_eval(0, loss=3.0)
     with pytest.warns(RuntimeWarning, match=r"restarts at step 11 after the backends opened at step 0.*steps 1\.\.10"):
         tracker.load_state_dict(saved)

@@ -11,13 +11,14 @@ from kit.distributed import Layout, run_distributed
 from kit.guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import LossMetric, MetricCollection, TrainMetric
-from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, num_floating_point_operations
+from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, TrackerConfig, num_floating_point_operations
 from twinkle_megatron.tracker import step_states as tracker_module
 
 
 def quiet_tracker(**kwargs) -> MetricsTracker:
     """A tracker that writes nowhere (records come back from end_step)."""
-    return MetricsTracker(backends=(), **kwargs)
+    metrics = kwargs.pop("metrics", None)
+    return MetricsTracker(config=TrackerConfig(backends=(), **kwargs), metrics=metrics)
 
 
 def test_log_steps_and_megatron_loss_reports():

@@ -23,7 +23,7 @@ from kit.megatron_gpt import (
     sum_loss_reports,
 )
 
-from twinkle_megatron import Accuracy, LossMetric, Metric, MetricCollection, MetricsTracker
+from twinkle_megatron import Accuracy, LossMetric, Metric, MetricCollection, MetricsTracker, TrackerConfig
 from twinkle_megatron.megatron import instrument
 
 
@@ -85,7 +85,7 @@ def _instrumented_step_with_user_metrics() -> tuple[dict, list]:
             reports = run_forward_backward(chunks, batch, micro_batch_size=2, forward_only=True,
                                            forward_step_func=metrics.wrap(gpt_forward_step))
             megatron = sum_loss_reports(reports)
-            tracker = MetricsTracker(log_interval=1, metrics=metrics.metrics, backends=())
+            tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()), metrics=metrics.metrics)
             tracker.end_step(1)
     return tracker.last_record, None if megatron is None else megatron.tolist()
 

@@ -25,7 +25,8 @@ class HookFailures(Metric):
     Reports them as data, ``train/metric_hook_failures`` (when > 0), on every
     rank; :meth:`MegatronInstrumentation.calculate` raises :class:`MetricHookError`
     for them, a :class:`~twinkle_megatron.MetricsTracker` logs them as an alarm.
-    ``first_failure`` keeps this rank's first message of the interval.
+    :meth:`first_failure` is this rank's first message of the interval (until
+    the sync resets the interval), read before the sync: ``compute`` only reports.
     """
 
     every_rank_counts = True  # a failure on any rank counts, whatever its stage
@@ -33,8 +34,7 @@ class HookFailures(Metric):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("failures", "sum")
-        self.messages: list[str] = []
-        self.first_failure: Optional[str] = None
+        self.messages: list[str] = []  # this rank's, of the current interval
 
     def record(self, where: str, error: BaseException) -> None:
         self.messages.append(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
@@ -43,7 +43,14 @@ class HookFailures(Metric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         pass
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
-        self.first_failure = self.messages[0] if self.messages else None
+    def first_failure(self) -> Optional[str]:
+        """This rank's first failure message of the current interval (None: none here)."""
+        return self.messages[0] if self.messages else None
+
+    def reset(self) -> None:
+        """A new interval: no failure yet (the states and this rank's messages)."""
+        super().reset()
         self.messages = []
+
+    def compute(self, states: StateValues) -> dict[str, Number]:
         return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}

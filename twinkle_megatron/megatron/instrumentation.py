@@ -284,10 +284,11 @@ class MegatronInstrumentation:
         return wrapped
 
     def _warn_failures(self) -> None:
-        if self._failures.messages and not self._failure_warned:
+        first = self._failures.first_failure()
+        if first is not None and not self._failure_warned:
             self._failure_warned = True
             warnings.warn(f"twinkle-megatron: a metric hook failed; this microbatch's statistics are left out of the "
-                          f"loss reports: {self._failures.messages[0]}", RuntimeWarning, stacklevel=3)
+                          f"loss reports: {first}", RuntimeWarning, stacklevel=3)
 
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
                     output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None,
@@ -371,10 +372,11 @@ class MegatronInstrumentation:
         during the step (the step's metrics are incomplete).
         """
         self._captured = None
+        # This rank's first message, read before the sync starts a new interval.
+        here = self._failures.first_failure() or "none on this rank; see the log of the failing rank"
         results = self.metrics.calculate()
         failures = results.pop(keys.METRIC_HOOK_FAILURES, 0)
         if failures:
-            here = self._failures.first_failure or "none on this rank; see the log of the failing rank"
             raise MetricHookError(f"twinkle-megatron: {failures} metric hook failure(s) during the step; the "
                                   f"step's metrics are incomplete. First failure on this rank: {here}")
         return results

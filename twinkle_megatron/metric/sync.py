@@ -22,8 +22,8 @@ every name is public, nothing here reaches into a metric's internals):
   group's, see :mod:`.groups`).
 
 :func:`sync` *returns* each metric's :class:`SyncedStates`;
-:func:`calculate_metrics` turns them into results, the tracker reads its own
-(``tracker/step_states.py``).
+:func:`calculate_metrics` turns them into results (each metric's ``results``
+of its own states only); :func:`calculate_each` keeps them per metric.
 
 **The collectives.** Every ``max`` state (``min`` negated) travels in one
 float64 buffer, every ``sum`` state in another; MAX first, then SUM. The MAX
@@ -104,27 +104,31 @@ def calculate_metrics(metrics: Iterable[Any]) -> dict[str, Number]:
     Collective: every rank calls it with the same metrics in the same order and
     gets the same dict.
     """
-    return calculate_with_states(metrics)[0]
+    return merge_results((type(metric).__name__, results) for metric, results in calculate_each(metrics))
 
 
-def calculate_with_states(metrics: Iterable[Any]) -> tuple[dict[str, Number], list[Optional[SyncedStates]]]:
-    """:func:`calculate_metrics`, also returning each metric's synced states (None for user metrics)."""
+def calculate_each(metrics: Iterable[Any]) -> list[tuple[Any, dict[str, Number]]]:
+    """Each metric with its own results, in order, after the one sync (each synced metric is then reset).
+
+    Collective, like :func:`calculate_metrics`; for a caller that keeps the
+    results of some metrics apart (the tracker's own parts of its record).
+    """
     metrics = list(metrics)
     builtins = [m for m in metrics if is_builtin(m)]
     synced_of = {id(m): states for m, states in zip(builtins, sync(builtins))} if builtins else {}
-    pieces: list[tuple[str, dict]] = []
+    pieces: list[tuple[Any, dict]] = []
     error: Optional[Exception] = None
     for metric in metrics:
         try:
             states = synced_of.get(id(metric))
-            pieces.append((type(metric).__name__, metric.results(states) if states is not None else metric.calculate()))
+            pieces.append((metric, metric.results(states) if states is not None else metric.calculate()))
         except Exception as exc:  # e.g. invalid labels: raised on every rank, after every metric is reset
             error = error or exc
         if id(metric) in synced_of:
             metric.reset()
     if error is not None:
         raise error
-    return merge_results(pieces), [synced_of.get(id(m)) for m in metrics]
+    return pieces
 
 
 def merge_results(pieces: Iterable[tuple[str, dict]]) -> dict[str, Number]:

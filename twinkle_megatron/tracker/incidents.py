@@ -67,7 +67,6 @@ class IncidentReporter:
         self.samples = samples
         self.path = os.path.join(log_dir, INCIDENTS_FILE) if log_dir else None
         self.writer_rank = writer_rank
-        self.last_incident: Optional[dict[str, Any]] = None
 
     def report(self, record: Mapping[str, Any], step: int) -> Optional[dict[str, Any]]:
         """The incident of a flagged record (collective then: every rank calls it with the same record), else None."""
@@ -82,7 +81,6 @@ class IncidentReporter:
         incident["dataset_losses"] = {key[len(keys.LOSS) + 1:]: value for key, value in record.items()
                                       if key.startswith(keys.LOSS + "/")}
         incident["layers"] = largest_layers(record)
-        self.last_incident = incident
         if not dist.is_initialized() or dist.get_rank() == self.writer_rank:
             self._write(incident)
         return incident

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Optional
 
+from .. import keys
+
 
 class ExponentialMovingAverages:
     """Named per-step EMAs: ``ema ← α·value + (1 − α)·ema``, starting at the first value.
@@ -50,3 +52,30 @@ def is_loss_spike(loss: float, smoothed_loss: Optional[float], threshold: float)
     if smoothed_loss is None or smoothed_loss <= 0 or not math.isfinite(loss):
         return False
     return loss > (1.0 + threshold) * smoothed_loss
+
+
+class RecordSmoothing:
+    """The record's smoothed part: ``train/loss_spike`` and the EMAs of :data:`~twinkle_megatron.keys.EMA_OF`.
+
+    Owns the averages (resumable with the tracker's ``state_dict``). Each log
+    record is folded in once: :meth:`compute` returns the spike flag (loss
+    against the loss EMA *before* this loss) and the new EMAs, and advances the
+    averages, its own state.
+    """
+
+    def __init__(self, alpha: float = 0.1, spike_threshold: float = 0.5) -> None:
+        self.averages = ExponentialMovingAverages(alpha)
+        self.spike_threshold = spike_threshold
+
+    def compute(self, record: Mapping[str, Any], steps: int) -> dict[str, Any]:
+        """The spike flag and EMAs of ``record``, a log interval of ``steps`` steps (folded in: see above)."""
+        results: dict[str, Any] = {}
+        if keys.LOSS in record:
+            results[keys.LOSS_SPIKE] = int(is_loss_spike(record[keys.LOSS], self.averages.get(keys.LOSS),
+                                                         self.spike_threshold))
+        for name, ema_key in keys.EMA_OF.items():
+            if name in record:
+                smoothed = self.averages.update(name, record[name], max(steps, 1))
+                if smoothed is not None:
+                    results[ema_key] = smoothed
+        return results

@@ -1,12 +1,18 @@
 """MetricsTracker: step time, real-token throughput, FLOPs and MFU, memory, smoothing, anomalies.
 
-Per step (``end_step``) the tracker only records device values into two
-internal metrics (no host sync, no collective). At a log step (step 1, every
+Per step (``end_step``) the tracker only records device values into its own
+metrics (no host sync, no collective). At a log step (step 1, every
 ``log_interval`` steps, and the last step at ``close()``) it reduces them
 together with the user's metrics in ONE sync (``metric/sync.py``: one MAX and
-one SUM all-reduce in total), builds the record (``record.py``, keys in
-``twinkle_megatron.keys``), smooths it, and hands it to the logging backends on
-one rank. Every rank gets the same record back.
+one SUM all-reduce in total). Each part of the record (keys in
+``twinkle_megatron.keys``) is returned by the ``compute`` of the object that
+owns its states: :class:`~.step_states.StepLoss` (the loss),
+:class:`~.step_states.RankStates` (grad norm, learning rate, non-finite steps,
+memory), :class:`~.throughput.Throughput` (step time, tokens/s, FLOPs, MFU,
+consumed tokens), :class:`~.layer_norms.LayerNorms` (per-layer norms, opt-in),
+the user's metrics, then :class:`~.smoothing.RecordSmoothing` (EMAs and the
+loss spike, from the merged record). The record goes to the logging backends
+on one rank; every rank gets the same record back.
 
 The first step the tracker sees (``load_state_dict``'s step + 1, else the
 first ``end_step``) is the run's first step: every backend drops or supersedes
@@ -15,9 +21,10 @@ restarted job never logs a step twice.
 
 Typical use with Megatron-LM::
 
-    tracker = MetricsTracker(log_interval=10, model_config=config, padded_vocab_size=args.padded_vocab_size,
-                             seq_length=args.seq_length, global_batch_size=args.global_batch_size,
-                             metrics=collection, log_dir=args.save)
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=10, model_config=config,
+                                                  padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+                                                  global_batch_size=args.global_batch_size, log_dir=args.save),
+                             metrics=collection)
     for iteration in range(start, end):
         with tracker.step(iteration + 1) as step:
             losses_reduced = forward_backward_func(...)  # one {'lm loss': [sum, count]} per microbatch
@@ -44,7 +51,7 @@ from ..megatron.loss_reports import accumulate_loss_values, loss_values
 from ..metric.base import Metric
 from ..metric.collection import MetricCollection
 from ..metric.sample_losses import SampleLosses
-from ..metric.sync import calculate_metrics, calculate_with_states, merge_results
+from ..metric.sync import calculate_each, calculate_metrics, merge_results
 from ..parallel import ParallelContext
 from .config import TrackerConfig
 from .flops import flops_coefficients, num_floating_point_operations
@@ -52,10 +59,10 @@ from .incidents import IncidentReporter
 from .layer_norms import LayerNorms
 from .memory import reset_peak_memory
 from .peak import current_device_name, fp8_autocast_active, peak_tflops
-from .record import ThroughputSetup, interval_record, interval_steps, interval_tokens
 from .run_config import build_run_config
-from .smoothing import ExponentialMovingAverages, is_loss_spike
-from .step_states import RankStates, StepDataStates
+from .smoothing import RecordSmoothing
+from .step_states import RankStates, StepLoss
+from .throughput import Throughput
 from .timer import StepTimer
 
 LossInput = Union[torch.Tensor, float, Mapping[str, Any], Sequence[Any]]
@@ -64,23 +71,21 @@ LossInput = Union[torch.Tensor, float, Mapping[str, Any], Sequence[Any]]
 class MetricsTracker:
     """Training-step metrics for Megatron (or any) training loops, synced with the metric collection.
 
-    ``MetricsTracker(config, metrics=..., device_mesh=..., process_group=...)``
-    with a :class:`TrackerConfig` (every setting, documented and validated
-    there), or the same settings as keywords, a thin convenience::
+    The way in: ``MetricsTracker(config=TrackerConfig(...), metrics=..., device_mesh=..., process_group=...)``,
+    every setting in the :class:`TrackerConfig` (documented and validated there),
+    the runtime objects as the tracker's own arguments::
 
-        MetricsTracker(TrackerConfig(log_interval=10, backends=("stdout", "wandb")), metrics=collection)
-        MetricsTracker(log_interval=10, backends=("stdout", "wandb"), metrics=collection)   # the same
-
-    Keywords given with a ``config`` override its fields.
+        MetricsTracker(config=TrackerConfig(log_interval=10, backends=("stdout", "wandb")), metrics=collection)
 
     Args:
-        config: the settings (:class:`TrackerConfig`).
+        config: the settings (:class:`TrackerConfig`; default: ``TrackerConfig()``).
         metrics: a :class:`MetricCollection` or metrics whose results join each
             log record, reduced in the same sync (their keys must not clash
             with the tracker's).
         device_mesh, process_group: the parallel layout, as for every metric
             (default: megatron-core's parallel_state, else the world).
-        **settings: :class:`TrackerConfig` fields.
+        **settings: a thin convenience: :class:`TrackerConfig` fields as keywords
+            (``MetricsTracker(log_interval=10)``), overriding ``config``'s.
     """
 
     def __init__(self, config: Optional[TrackerConfig] = None, *,
@@ -100,22 +105,22 @@ class MetricsTracker:
         self.flops_per_step = flops_per_step
         self._fp8_seen = bool(getattr(model_config, "fp8", None))
         self.device_name = config.device_name if config.device_name is not None else current_device_name()
-        self.ema = ExponentialMovingAverages(config.ema_alpha)
+        self.smoothing = RecordSmoothing(config.ema_alpha, config.spike_threshold)
         self.logger = MetricsLogger([build_backend(b, config.log_dir) for b in config.backends],
                                     writer_rank=config.writer_rank, log_dir=config.log_dir)
         self.timer = StepTimer()
         self.last_step = 0
         self.consumed_tokens = 0
         self.last_record: dict[str, float] = {}
+        self.last_incident: Optional[dict[str, Any]] = None  # of the last flagged log step (tracker/incidents.py)
         self._pending_steps = 0  # steps ended since the last log (host count: every rank ends every step)
         self._started = False  # the run's first step is known (and given to the logger)
         self._closed = False
-        self._data: Optional[StepDataStates] = None
-        self._ranks: Optional[RankStates] = None
+        self._own: Optional[tuple[StepLoss, RankStates, Throughput]] = None  # the tracker's metrics (_states)
         self._warned: set[str] = set()
         self._layer_norms: Optional[LayerNorms] = None  # opt-in: record_grad_norms
-        samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
-        self.incidents = IncidentReporter(samples, config.log_dir if "jsonl" in config.backends else None,
+        self._samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
+        self.incidents = IncidentReporter(self._samples, config.log_dir if "jsonl" in config.backends else None,
                                           config.writer_rank)
         if dist.is_available() and dist.is_initialized():
             self._states()  # resolve the layout now, while every rank builds its tracker together
@@ -159,25 +164,23 @@ class MetricsTracker:
         self.last_step = step = self.last_step + 1 if step is None else int(step)
         self._start(step)
         self._pending_steps += 1
-        data, ranks = self._states()
+        step_loss, ranks, throughput = self._states()
         nonfinite_loss: Any = 0.0
         loss_tokens = None
         if loss is not None:
-            nonfinite_loss, loss_tokens = accumulate_loss_values(data, loss_values(loss, self.config.loss_key))
+            nonfinite_loss, loss_tokens = accumulate_loss_values(step_loss, loss_values(loss, self.config.loss_key))
         local_tokens = _real_tokens(tokens, loss_mask, labels, self.config.ignore_index)
-        local_tokens = local_tokens if local_tokens is not None else loss_tokens
-        if local_tokens is not None:
-            data.add_tokens(local_tokens)
+        throughput.add_step(local_tokens if local_tokens is not None else loss_tokens)
         if seq_lengths is not None:
             if self._coefficients is None:
                 self._warn_once("seq_lengths", "seq_lengths given without model_config: no FLOPs can be counted")
             else:
-                data.add_sequence_lengths(seq_lengths)
+                throughput.add_sequence_lengths(seq_lengths)
         if isinstance(lr, (list, tuple)):
             lr = lr[0]
         ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros)
-        if self.incidents.samples is not None:
-            self.incidents.samples.end_step(step)
+        if self._samples is not None:
+            self._samples.end_step(step)
         if step == 1 or step % self.log_interval == 0:
             return self._log(step)
         return None
@@ -212,45 +215,29 @@ class MetricsTracker:
     # ------------------------------------------------------------ logging
 
     def _log(self, step: int) -> dict[str, float]:
-        self._pending_steps = 0
-        context = self._context()
-        data, ranks = self._states()
+        steps, self._pending_steps = self._pending_steps, 0
+        own = self._states()
         health = [self._layer_norms] if self._layer_norms is not None else []
-        results, synced = calculate_with_states([*self.user_metrics, *health, data, ranks])  # the one sync
-        data_states, rank_states = synced[-2], synced[-1]
+        pieces = calculate_each([*self.user_metrics, *health, *own])  # the one sync; each metric's own results
         reset_peak_memory()
-        setup = ThroughputSetup(world_size=context.reduce_size, flops_per_step=self.flops_per_step,
-                                flops_coefficients=self._coefficients, peak_tflops=self._peak_tflops())
-        record = interval_record(data_states, rank_states, setup)
-        if keys.SLOWEST_RANK in record and context.distributed and context.reduce_group is not None:
-            record[keys.SLOWEST_RANK] = dist.get_global_rank(context.reduce_group, record[keys.SLOWEST_RANK])
-        tokens = interval_tokens(data_states)
-        self.consumed_tokens += tokens
-        if tokens > 0 or self.consumed_tokens > 0:
-            record[keys.CONSUMED_TOKENS] = self.consumed_tokens
+        tracker_part = merge_results((type(m).__name__, r) for m, r in pieces if any(m is o for o in own))
+        metrics_part = merge_results((type(m).__name__, r) for m, r in pieces if not any(m is o for o in own))
         # A value given to end_step and to a metric too must agree, or one would hide the other.
-        record = merge_results([("MetricsTracker (end_step's values)", record), ("the tracker's metrics", results)])
-        self._smooth(record, interval_steps(rank_states))  # after the merge: a LossMetric's loss too
+        record = merge_results([("MetricsTracker (end_step's values)", tracker_part),
+                                ("the tracker's metrics", metrics_part)])
+        record = merge_results([("the tracker's record", record),  # after the merge: a LossMetric's loss too
+                                ("RecordSmoothing", self.smoothing.compute(record, steps))])
+        self.consumed_tokens = record.get(keys.CONSUMED_TOKENS, self.consumed_tokens)
         if record.get(keys.METRIC_HOOK_FAILURES):
             self._warn_once("hook failures", f"{record[keys.METRIC_HOOK_FAILURES]} metric hook failure(s) at step "
                                              f"{step}: that interval's metrics are incomplete (logged as "
                                              f"{keys.METRIC_HOOK_FAILURES}); instrument().calculate() raises them")
         self.last_record = record
         self.logger.log(record, step)
-        if self.incidents.samples is not None or self._layer_norms is not None:
-            self.incidents.report(record, step)  # a flagged record (known on every rank) costs one gather
+        if self._samples is not None or self._layer_norms is not None:
+            incident = self.incidents.report(record, step)  # a flagged record (known on every rank): one gather
+            self.last_incident = incident if incident is not None else self.last_incident
         return record
-
-    def _smooth(self, record: dict[str, float], steps: int) -> None:
-        """Add the EMAs of the smoothed values, and the loss spike flag against the EMA before this loss."""
-        if keys.LOSS in record:
-            record[keys.LOSS_SPIKE] = int(is_loss_spike(record[keys.LOSS], self.ema.get(keys.LOSS),
-                                                        self.config.spike_threshold))
-        for name, ema_key in keys.EMA_OF.items():
-            if name in record:
-                smoothed = self.ema.update(name, record[name], max(steps, 1))
-                if smoothed is not None:
-                    record[ema_key] = smoothed
 
     def log_eval(self, step: Optional[int] = None, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
                  **values: Any) -> dict[str, float]:
@@ -296,7 +283,8 @@ class MetricsTracker:
         Steps after the last log step are not in ``consumed_tokens`` (their
         counts are still on the devices): checkpoint at a log step to lose none.
         """
-        return {"step": self.last_step, "consumed_tokens": self.consumed_tokens, "ema": self.ema.state_dict()}
+        return {"step": self.last_step, "consumed_tokens": self.consumed_tokens,
+                "ema": self.smoothing.averages.state_dict()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue a run: step numbering, totals and EMAs; backends drop what the old run logged after it.
@@ -311,12 +299,14 @@ class MetricsTracker:
         """
         self.last_step = int(state_dict["step"])
         self.consumed_tokens = int(state_dict["consumed_tokens"])
-        self.ema.load_state_dict(state_dict["ema"])
+        self.smoothing.averages.load_state_dict(state_dict["ema"])
+        if self._own is not None:
+            step_loss, ranks, throughput = self._own
+            step_loss.reset()
+            ranks.reset()
+            throughput.restart(self.consumed_tokens)
         if self._started:
             self._pending_steps = 0
-            if self._data is not None:
-                self._data.reset()
-                self._ranks.reset()
             self.logger.restart(self.last_step + 1)
         else:
             self._start(self.last_step + 1)
@@ -343,13 +333,15 @@ class MetricsTracker:
     def _context(self) -> ParallelContext:
         return self._states()[0].context
 
-    def _states(self) -> tuple[StepDataStates, RankStates]:
-        """The internal metrics: built with the tracker, or on first use if torch.distributed came later."""
-        if self._data is None:
-            self._data = StepDataStates(self.device_mesh, self.process_group)
-            world_size = self._data.context.reduce_size
-            self._ranks = RankStates(world_size, self.timer, self.device_mesh, self.process_group)
-        return self._data, self._ranks
+    def _states(self) -> tuple[StepLoss, RankStates, Throughput]:
+        """The tracker's own metrics: built with the tracker, or on first use if torch.distributed came later."""
+        if self._own is None:
+            throughput = Throughput(self.timer, self.flops_per_step, self._coefficients, self._peak_tflops,
+                                    self.device_mesh, self.process_group)
+            throughput.restart(self.consumed_tokens)
+            self._own = (StepLoss(self.device_mesh, self.process_group),
+                         RankStates(self.device_mesh, self.process_group), throughput)
+        return self._own
 
     def _note_precision(self) -> None:
         if self.config.precision == "auto" and not self._fp8_seen and fp8_autocast_active():
