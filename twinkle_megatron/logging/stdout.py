@@ -82,7 +82,8 @@ class StdoutBackend(Backend):
 
     ``detail="compact"`` (the default) prints the headline keys (:data:`COMPACT_KEYS`: loss,
     accuracy, gradient norm, learning rate, tokens/s per GPU, TFLOP/s per GPU, MFU, step time,
-    peak memory, and for MoE models the largest expert-load imbalance) and then the ``extra_keys`` the record holds (``accuracy/<dataset>``...);
+    peak memory, and for MoE models the largest expert-load imbalance) and then the ``extra_keys``
+    the record holds (``accuracy/<dataset>``...);
     ``detail="full"`` prints every tracker key of the line and then every other
     numeric key (metrics of the collection, per-dataset keys, ``eval/*``), except per-layer MoE
     keys (``moe/layer_*``: layers × experts, for files and charts) and per-layer norms
