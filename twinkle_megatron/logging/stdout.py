@@ -70,6 +70,8 @@ _SHOWN = {key for key, _, _ in _LINE} | _COUNTS | {keys.CONSUMED_TOKENS, keys.TO
 # A per-dataset key ``accuracy/<dataset>`` is printed like ``accuracy`` (and hidden like
 # ``correct_tokens``), so the line reads the same with and without ``group_names``.
 _FORMAT_OF = {key: fmt for key, _, fmt in _LINE}
+_COMPACT_OFF_LINE = tuple(key for key in COMPACT_KEYS if key not in _FORMAT_OF)  # headline keys the tracker's
+# line does not format (moe/imbalance_max, a metric's): printed after it, like the extra keys
 _ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_GRAD_NORM_STEPS, keys.LOSS_SPIKE, keys.MEMORY_OOMS,
            keys.MEMORY_ALLOC_RETRIES, keys.METRIC_HOOK_FAILURES)
 
@@ -110,7 +112,8 @@ class StdoutBackend(Backend):
         if self.detail == "compact":
             parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE
                       if key in COMPACT_KEYS and key in record]
-            parts += [f"{key} {_format(key, record[key])}" for key in self.extra_keys if key in record]
+            parts += [f"{key} {_format(key, record[key])}" for key in (*_COMPACT_OFF_LINE, *self.extra_keys)
+                      if key in record]
         else:
             parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
             parts += [f"{key} {_format(key, value)}" for key, value in record.items()
