@@ -27,8 +27,8 @@ MODULES = sorted(name for _, name, _ in pkgutil.walk_packages([str(PACKAGE)], "t
 FILES = sorted(PACKAGE.rglob("*.py"))
 # Private names of other packages read on purpose, each for want of a public API.
 EXTERNAL_PRIVATE = {
-    "torch._C": "moe_routing: _current_graph_task_id tells a forward recomputed inside backward",
-    "_version": "moe_routing: a tensor's version counter tells whether Megatron's aux-loss tracker was written",
+    "torch._C": "router_hooks: _current_graph_task_id tells a forward recomputed inside backward",
+    "_version": "router_hooks: a tensor's version counter tells whether Megatron's aux-loss tracker was written",
 }
 # Which layers each layer may import (besides itself and the top-level keys and version modules).
 ALLOWED = {

@@ -54,7 +54,7 @@ from .hook_failures import HookFailures, MetricHookError
 from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
-from .moe_routing import attach_moe_routing, find_routers
+from .router_hooks import attach_moe_routing, find_routers
 from .token_reports import TokenReports, report_device, with_entries
 
 
@@ -93,7 +93,7 @@ class MegatronInstrumentation:
     Megatron's own gradient (see :mod:`.fused_loss`; what it refuses and why).
 
     Megatron-core MoE layers also report routing health (``moe/...``, see
-    :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
+    :mod:`.router_hooks`; needs ``model``); ``moe_routing=False`` leaves the
     routers alone, ``moe_per_layer=True`` adds the per-layer keys.
     """
 
@@ -111,7 +111,7 @@ class MegatronInstrumentation:
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
         user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
         chunks = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
-        # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
+        # MoE routing health: hooks on the routers (router_hooks.py), one more metric in the same sync.
         self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
             if moe_routing and chunks else None
         self._moe_wanted = moe_routing and model is None
