@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from .. import keys
 from ..metric import Metric
-from ..metric.base import Number, StateValues
+from ..metric.base import Number, SyncedStates
 
 
 class MetricHookError(RuntimeError):
@@ -43,7 +43,7 @@ class HookFailures(Metric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         pass
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         self.first_failure = self.messages[0] if self.messages else None
         self.messages = []
         return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}

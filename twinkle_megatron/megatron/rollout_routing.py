@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..metric.base import Metric, Number, StateValues
+from ..metric.base import Metric, Number, SyncedStates
 from .router_hooks import MoERoutingHooks
 
 TOTAL_KEY = "moe/rollout_routing_mismatch"
@@ -77,7 +77,7 @@ class RolloutRoutingMetric(Metric):
         self._add("differing", differing)
         self._add("decisions", decisions)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         decisions, differing = states["decisions"], states["differing"]
         total = float(decisions.sum())
         if total == 0:

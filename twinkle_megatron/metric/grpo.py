@@ -46,12 +46,13 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .context_parallel import global_positions
 from .high_kl_records import RECORD_FIELDS, global_top_kl
 from .inputs import call_value, check_same_shape, given, to_device
 from .keywords import check_layout_declared
 from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
+from .resume import holds_loaded_sums
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
 
@@ -166,12 +167,12 @@ class GRPOMetric(Metric):
                                    group_ids=self.group_ids_of, ignore_index=self.ignore_index)
         for batch in batches:
             if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
-                global_positions(batch.tensors["logps"].shape[-1], self.context, batch.complete)
+                global_positions(batch.tensors["logps"].shape[-1], self.context, batch.cp_gathered)
             stats = batch.output.get("token_stats")
             if stats is not None and "entropies" not in batch.tensors:
                 check_same_shape("logps", batch.tensors["logps"], "token_stats", as_rows(stats.entropy))
         for batch in batches:
-            if batch.counted_here:
+            if batch.counts_here:
                 self._accumulate_microbatch(batch, vocab_size, layout)
         self._sequences_per_call.append(sum(batch.sequence_count for batch in batches))
 
@@ -268,7 +269,7 @@ class GRPOMetric(Metric):
             self._add_tokens("clip_high", high, clip_groups)
             self._add_tokens("clip_total", total, clip_groups)
         if self.top_k_kl > 0:
-            self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.complete)
+            self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.cp_gathered)
 
     def _entropy(self, batch: SequenceBatch, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:
@@ -298,7 +299,7 @@ class GRPOMetric(Metric):
     # ------------------------------------------------------ top-K KL records
 
     def _keep_top_kl(self, kl: torch.Tensor, ratio: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
-                     labels: torch.Tensor, valid: torch.Tensor, first_sequence: int, complete: bool) -> None:
+                     labels: torch.Tensor, valid: torch.Tensor, first_sequence: int, cp_gathered: bool) -> None:
         """Merge this microbatch's highest-k3 tokens into the running top K (device ops only)."""
         sequence_length = kl.shape[-1]
         candidates = torch.where(valid, kl, torch.full_like(kl, float("-inf"))).reshape(-1)
@@ -307,7 +308,7 @@ class GRPOMetric(Metric):
             return
         top, index = candidates.topk(k)
         rows, columns = index // sequence_length, index % sequence_length
-        positions = global_positions(sequence_length, self.context, complete, kl.device)
+        positions = global_positions(sequence_length, self.context, cp_gathered, kl.device)
         fields = torch.stack([
             top, ratio.reshape(-1)[index], new.reshape(-1)[index], old.reshape(-1)[index],
             labels.reshape(-1)[index].to(torch.float64), (rows + first_sequence).to(torch.float64),
@@ -330,7 +331,7 @@ class GRPOMetric(Metric):
 
     # --------------------------------------------------------------- results
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Any] = mismatch_results(states)
         tokens = states["tokens"]
         if tokens > 0:
@@ -366,7 +367,7 @@ class GRPOMetric(Metric):
         self._top_kl = None
         self._sequences_per_call = []
 
-    def extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: SyncedStates) -> dict[str, Any]:
         """The global top-K tokens so far (sequence indices in the global batch) and the sequences seen."""
         if self.top_k_kl <= 0:
             return {}
@@ -380,7 +381,7 @@ class GRPOMetric(Metric):
         self._top_kl, self._sequences_per_call = None, []
         if self.top_k_kl <= 0 or "sequences" not in state_dict:
             return
-        primary = self._is_primary()
+        primary = holds_loaded_sums(self)
         self._sequences_per_call = [int(state_dict["sequences"]) if primary else 0]
         records = state_dict["top_kl"] if primary else []
         if records:

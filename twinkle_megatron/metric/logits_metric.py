@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Optional
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .groups import TokenGroups
 from .inputs import call_value, microbatches
 from .keywords import check_layout_declared
@@ -60,16 +60,16 @@ class LogitsMetric(Metric):
             check_layout_declared(self, output.get("logits"), batch.get("labels"), layout)
             aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
                                              self.cp_gathered, self.group_ids_of(batch, output))
-            if not aligned.counted_here:
+            if not aligned.counts_here:
                 continue
-            positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.complete,
+            positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.cp_gathered,
                                                      self.position_buckets)
             mask, classes = shared_token_classes(aligned, self.ignore_index, real)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
             yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask, positions)
 
-    def _token_problems(self, states: StateValues) -> dict[str, Number]:
+    def _token_problems(self, states: SyncedStates) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""
         invalid = int(states["invalid_labels"])
         if invalid and self.strict:

@@ -92,9 +92,9 @@ class TokenBatch(NamedTuple):
     labels: torch.Tensor
     completion_mask: Optional[torch.Tensor]
     stats: TokenStats
-    counted_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
+    counts_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
     group_ids: Any = None  # the microbatch's group ids, per token ones matched under CP like the labels
-    complete: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
+    cp_gathered: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
 
 
 def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
@@ -141,11 +141,11 @@ def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], 
     aligned = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
     labels, completion_mask = aligned.tensors["labels"], aligned.tensors.get("completion_mask")
     group_ids = aligned.tensors["group_ids"] if per_token_ids else group_ids
-    if not aligned.counted_here(context):
-        return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.complete)
+    if not aligned.counts_here(context):
+        return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.cp_gathered)
     stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
                                cache_key=id(logits))
-    return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.complete)
+    return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.cp_gathered)
 
 
 def logits_sequence_dim(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str]) -> int:

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .context_parallel import align_to_cp_rank, local_sequence_length
 from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask
 from .positions import positions_where_needed
@@ -156,9 +156,10 @@ class LossMetric(Metric):
         loss, labels = aligned.tensors["loss"], aligned.tensors["labels"]
         ids = aligned.tensors["group_ids"] if per_token_ids else ids
         check_same_shape("loss", loss, "labels", labels)
-        if not aligned.counted_here(self.context):
+        if not aligned.counts_here(self.context):
             return loss, None, None, ids, None
-        positions, real = positions_where_needed(batch, labels, self.context, aligned.complete, self.position_buckets)
+        positions, real = positions_where_needed(batch, labels, self.context, aligned.cp_gathered,
+                                                 self.position_buckets)
         mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index, real),
                          loss.device)
         valid = mask & torch.isfinite(loss)
@@ -173,11 +174,11 @@ class LossMetric(Metric):
         return count_tokens(batch, self.ignore_index)
 
     @staticmethod
-    def pooled_loss(states: StateValues) -> Optional[float]:
+    def pooled_loss(states: SyncedStates) -> Optional[float]:
         """Σ loss_sum / Σ weight over the synced states, or None without counted tokens or values."""
         return states["loss_sum"] / states["weight"] if states["weight"] > 0 else None
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         loss = self.pooled_loss(states)
         if loss is not None:

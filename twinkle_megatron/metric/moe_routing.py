@@ -83,7 +83,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from .. import keys
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 
 # Megatron's names of the router losses it adds to its layer-wise tracker (megatron-core 0.13-0.16).
 ROUTER_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
@@ -191,7 +191,7 @@ class MoERoutingMetric(Metric):
 
     # --------------------------------------------------------------- results
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         tokens = torch.as_tensor(states["tokens"], dtype=torch.float64)
         layers = [row for row in range(self.num_layers) if tokens[row] > 0]
         if not layers:
@@ -226,7 +226,7 @@ class MoERoutingMetric(Metric):
                     results[keys.moe_layer_key(row, stat)] = value
         return results
 
-    def _layer_stats(self, row: int, states: StateValues) -> dict[str, Number]:
+    def _layer_stats(self, row: int, states: SyncedStates) -> dict[str, Number]:
         load = torch.as_tensor(states["load"], dtype=torch.float64)[row]
         tokens = float(torch.as_tensor(states["tokens"])[row])
         utilization = load / (tokens * self.topk / self.num_experts)

@@ -150,8 +150,8 @@ class SequenceBatch(NamedTuple):
     output: Mapping[str, Any]
     per_sequence: dict[str, Any]  # this microbatch's entries of each per-call per-sequence value
     first_sequence: int  # index of its first sequence among the call's sequences
-    complete: bool  # whole sequences on every CP rank (see CPAlignment)
-    counted_here: bool
+    cp_gathered: bool  # whole sequences on every CP rank (see CPAlignment)
+    counts_here: bool
     group_ids: Any = None  # per sample, or per token (then matched under CP with the rest)
     # Sequences whose ragged array was matched to whole gathered labels before the cut to this CP rank's
     # chunks (see sequence_batches) and did not have one value per counted token: counted on CP rank 0.
@@ -182,7 +182,7 @@ class SequenceBatch(NamedTuple):
         labels = self.tensors["labels"]
         if self.packed is not None:
             return self.packed.positions.reshape(labels.shape)
-        return global_positions(labels.shape[-1], context, self.complete, labels.device)
+        return global_positions(labels.shape[-1], context, self.cp_gathered, labels.device)
 
 
 ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], SequenceTensors]
@@ -242,10 +242,10 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
             raise ValueError(f"{metric}: a packed microbatch's per-token tensors must all be this CP rank's pieces "
                              "of its sequences or all whole (gathered over CP); some are each")
         packed_of.append(None if cu_seqlens is None else packed_sequences(
-            cu_seqlens, labels.shape[-1], context, cp.complete, cp.tensors[anchor].device))
+            cu_seqlens, labels.shape[-1], context, cp.cp_gathered, cp.tensors[anchor].device))
     shapes = [tuple(cp.tensors[anchor].shape) for cp in aligned]
     # Ragged arrays can be laid onto whole sequences: labels that are whole here, or were before the cut.
-    whole_sequences = all(cp.complete or whole is not None for cp, whole in zip(aligned, whole_labels))
+    whole_sequences = all(cp.cp_gathered or whole is not None for cp, whole in zip(aligned, whole_labels))
     pieces = {name: split_per_microbatch(values, name, shapes, whole_sequences)
               for name, values in per_sequence.items()}
     misaligned: list[Any] = [0.0] * len(aligned)
@@ -261,7 +261,7 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     batches, first_sequence = [], 0
     for index, ((_, output), cp) in enumerate(zip(pairs, aligned)):
         batches.append(SequenceBatch(cp.tensors, output, {name: piece[index] for name, piece in pieces.items()},
-                                     first_sequence, cp.complete, cp.counted_here(context), ids_of[index],
+                                     first_sequence, cp.cp_gathered, cp.counts_here(context), ids_of[index],
                                      misaligned[index], packed_of[index]))
         first_sequence += batches[-1].sequence_count
     return batches

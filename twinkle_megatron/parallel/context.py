@@ -5,7 +5,7 @@ and data-parallel (DP) groups of this rank, its rank and size in each, whether i
 is on the last pipeline stage, and the *reduction group*: every rank that calls
 ``calculate()`` together. Metric states are reduced over the reduction group in
 one pass; ranks that hold no data, or only a duplicate of another rank's data,
-contribute identity values (see :meth:`ParallelContext.holds_data`).
+contribute identity values (see :meth:`ParallelContext.counts_here`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ queries
 
-    def holds_data(self, cp_gathered: bool = False) -> bool:
+    def counts_here(self, cp_gathered: bool = False) -> bool:
         """Whether this rank's metric states count in the global reduction.
 
         Only the last pipeline stage sees outputs; TP ranks hold identical

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..metric.base import Metric, StateValues
+from ..metric.base import Metric, SyncedStates
 from ..metric.loss import LossMetric
 from .memory import read_device_memory
 from .timer import StepTimer
@@ -66,7 +66,7 @@ class StepDataStates(LossMetric):
             self._add("sequence_tokens", float(sum(lengths)))
             self._add("sequence_squares", float(sum(int(length) ** 2 for length in lengths)))
 
-    def compute(self, states: StateValues) -> dict:
+    def compute(self, states: SyncedStates) -> dict:
         return {}
 
 
@@ -138,5 +138,5 @@ class RankStates(Metric):
         super().reset()
         self._steps = 0
 
-    def compute(self, states: StateValues) -> dict:
+    def compute(self, states: SyncedStates) -> dict:
         return {}
