@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -65,6 +65,11 @@ class ParallelContext:
         if not self.distributed:
             return 1
         return dist.get_world_size(self.reduce_group)
+
+    def without_tp(self) -> ParallelContext:
+        """This layout with every tensor-parallel rank holding the whole of the data (e.g. the whole
+        vocabulary after an output layer gathered its output): no TP group, TP size 1."""
+        return replace(self, tp_group=None, tp_size=1)
 
     def communication_device(self) -> torch.device:
         """The device collectives on ``reduce_group`` need (CUDA for NCCL, else CPU)."""
