@@ -20,7 +20,7 @@ the single-process one either way.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 
 SequenceTensors = dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, its sequence dimension)
+GROUP_IDS = "group_ids"  # the key of per-token group ids in a CP alignment
 
 
 class CPAlignment(NamedTuple):
@@ -39,6 +40,30 @@ class CPAlignment(NamedTuple):
     def counts_here(self, context: ParallelContext) -> bool:
         """Whether this rank adds the microbatch to its states (complete data: CP rank 0 only)."""
         return not self.cp_gathered or context.cp_rank == 0
+
+
+def per_token_tensors(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None, group_ids: Any = None,
+                      first: Optional[SequenceTensors] = None,
+                      more: Optional[SequenceTensors] = None) -> SequenceTensors:
+    """The tensors of one microbatch that :func:`align_to_cp_rank` matches, by name: ``first`` (the metric's own:
+    logits, losses), ``labels``, ``completion_mask`` when given, ``more``, and ``group_ids`` when they are per
+    token (shaped like labels of more than one dimension; per-sample ids need no matching). The sequence
+    dimension is the last one, except in ``first`` and ``more`` (given with theirs).
+    :func:`aligned_group_ids` takes the group ids back out of the alignment."""
+    tensors: SequenceTensors = dict(first or {})
+    tensors["labels"] = (labels, labels.dim() - 1)
+    if completion_mask is not None:
+        tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
+    tensors.update(more or {})
+    if isinstance(group_ids, torch.Tensor) and group_ids.dim() == labels.dim() > 1:
+        tensors[GROUP_IDS] = (group_ids, group_ids.dim() - 1)
+    return tensors
+
+
+def aligned_group_ids(aligned: CPAlignment, group_ids: Any) -> Any:
+    """The group ids after :func:`align_to_cp_rank`: per token ones as matched (taken out of ``aligned.tensors``,
+    so that only the metric's tensors stay there), per-sample ones (or None) as given."""
+    return aligned.tensors.pop(GROUP_IDS, group_ids)
 
 
 def this_rank_chunks(tensor: torch.Tensor, dim: int, context: ParallelContext) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from .base import Metric, Number, SyncedStates
 from .context_parallel import once_per_sequence, sum_over_context_parallel
-from .inputs import call_value, given, to_device
+from .inputs import call_value, given, to_device, with_call_values
 from .sequences import SequenceBatch, as_rows, sequence_batches
 
 PAIR_LAYOUTS = ("interleaved", "halves")
@@ -103,8 +103,7 @@ class DPOMetric(Metric):
         ref_outputs = call_value("ref_outputs", kwargs, outputs)
         ref_logps = ref_outputs.get("logps") if ref_outputs is not None else None
         ref_logps = ref_logps if given(ref_logps) else call_value("ref_logps", kwargs, outputs)
-        source = {"logps": outputs["logps"], "ref_logps": ref_logps,
-                  "group_ids": call_value("group_ids", kwargs, outputs)}
+        source = with_call_values({"logps": outputs["logps"], "ref_logps": ref_logps}, kwargs, outputs, ("group_ids",))
         batches = sequence_batches(inputs, source, "logps", ("ref_logps",), {}, self.context, self.cp_gathered,
                                    "DPOMetric", extra=_reference_logps, group_ids=self.group_ids_of)
         for index, batch in enumerate(batches):  # all checks before any state changes
@@ -166,9 +165,7 @@ class DPOMetric(Metric):
         self._add_tokens("correct_pairs", (counted & (full_margins > 0)) * once, groups)
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
-        results: dict[str, Number] = {}
-        if states["nonfinite_pairs"] > 0:
-            results["nonfinite_pairs"] = int(states["nonfinite_pairs"])
+        results: dict[str, Number] = states.counts(("nonfinite_pairs",))
         pairs = states["pairs"]
         if pairs == 0:
             return results

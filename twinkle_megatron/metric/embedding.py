@@ -184,9 +184,7 @@ class EmbeddingMetric(Metric):
             results["loss"] = states["loss_sum"] / states["loss_weight"]
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
-        for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):
-            if states[name] > 0:
-                results[name] = int(states[name])
+        results.update(states.counts(("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms")))
         return results
 
     def reset(self) -> None:

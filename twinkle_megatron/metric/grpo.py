@@ -49,7 +49,7 @@ import torch
 from .base import Metric, Number, SyncedStates
 from .context_parallel import global_positions
 from .high_kl_records import RECORD_FIELDS, global_top_kl
-from .inputs import call_value, check_same_shape, given, to_device
+from .inputs import call_value, check_same_shape, given, to_device, with_call_values
 from .keywords import check_layout_declared
 from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
 from .resume import holds_loaded_sums
@@ -159,8 +159,7 @@ class GRPOMetric(Metric):
                         "rollout_logps": call_value("rollout_logps", kwargs, outputs)}
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        group_ids = call_value("group_ids", kwargs, outputs)
-        source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
+        source = with_call_values(outputs, kwargs, outputs, ("group_ids",))
         batches = sequence_batches(inputs, source, "logps", ("entropies", "logits", "token_stats"),
                                    per_sequence, self.context,
                                    self.cp_gathered, type(self).__name__, extra=self._per_token_extras,
@@ -352,10 +351,7 @@ class GRPOMetric(Metric):
             results["train/clip_ratio_low"] = states["clip_low"] / clip_total
             results["train/clip_ratio_high"] = states["clip_high"] / clip_total
             results["train/clip_ratio"] = (states["clip_low"] + states["clip_high"]) / clip_total
-        if states["nonfinite_tokens"] > 0:
-            results["train/nonfinite_tokens"] = int(states["nonfinite_tokens"])
-        if states["misaligned_arrays"] > 0:
-            results["train/misaligned_arrays"] = int(states["misaligned_arrays"])
+        results.update(states.counts(("nonfinite_tokens", "misaligned_arrays"), prefix="train/"))
         if self.top_k_kl > 0 and tokens > 0:
             records = global_top_kl(states.records, self.top_k_kl)
             if records:

@@ -6,7 +6,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from .base import Metric, Number, SyncedStates
 from .groups import TokenGroups
-from .inputs import call_value, microbatches
+from .inputs import call_value, microbatches, with_call_values
 from .keywords import check_layout_declared
 from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, microbatch_token_stats, shared_token_classes
 from .positions import positions_where_needed
@@ -52,8 +52,7 @@ class LogitsMetric(Metric):
             return
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        group_ids = call_value("group_ids", kwargs, outputs)
-        source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
+        source = with_call_values(outputs, kwargs, outputs, ("group_ids",))
         for batch, output in microbatches(inputs, source, ("logits", "token_stats", "group_ids")):
             if "logits" not in output and "token_stats" not in output:
                 continue

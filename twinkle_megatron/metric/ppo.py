@@ -119,10 +119,7 @@ class PPOValueMetric(Metric):
             self._add("advantage_square_sum", total(advantages * advantages))
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
-        results: dict[str, Number] = {}
-        for name in ("nonfinite_tokens", "misaligned_arrays"):
-            if states[name] > 0:
-                results[f"train/{name}"] = int(states[name])
+        results: dict[str, Number] = states.counts(("nonfinite_tokens", "misaligned_arrays"), prefix="train/")
         tokens = states["tokens"]
         if tokens == 0:
             return results

@@ -21,8 +21,10 @@ from ..parallel import ParallelContext
 from .context_parallel import (
     SequenceTensors,
     align_to_cp_rank,
+    aligned_group_ids,
     global_positions,
     local_sequence_length,
+    per_token_tensors,
     this_rank_chunks,
 )
 from .inputs import check_same_shape, microbatches, to_device, token_mask
@@ -218,20 +220,16 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
         if cu_seqlens is not None and labels.shape[0] != 1:
             raise ValueError(f"{metric}: a packed microbatch (cu_seqlens) holds one row of tokens, but its labels "
                              f"have shape {tuple(labels.shape)}")
-        tensors: SequenceTensors = {anchor: (as_rows(output[anchor]), 1), "labels": (labels, 1)}
-        if batch.get("completion_mask") is not None:
-            tensors["completion_mask"] = (as_rows(batch["completion_mask"]), 1)
-        if extra is not None:
-            tensors.update(extra(batch, output, labels))
         ids = group_ids(batch, output) if group_ids is not None else None
         if ids is not None and cu_seqlens is not None:
             raise ValueError(f"{metric}: group ids of packed sub-sequences are not supported (one group per packed "
                              "row would be applied to all of its sequences); pass unpacked rows for per-group keys")
-        per_token_ids = isinstance(ids, torch.Tensor) and ids.dim() == 2
-        if per_token_ids:
-            tensors["group_ids"] = (ids, 1)
+        mask = batch.get("completion_mask")
+        tensors = per_token_tensors(labels, None if mask is None else as_rows(mask), ids,
+                                    first={anchor: (as_rows(output[anchor]), 1)},
+                                    more=extra(batch, output, labels) if extra is not None else None)
         cp = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
-        ids_of.append(cp.tensors.pop("group_ids") if per_token_ids else ids)
+        ids_of.append(aligned_group_ids(cp, ids))
         whole_labels.append(labels if labels.shape[-1] != cp.tensors["labels"].shape[-1] else None)
         labels = cp.tensors["labels"]
         for name, tensor in cp.tensors.items():
