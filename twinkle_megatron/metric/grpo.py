@@ -48,7 +48,7 @@ import torch
 
 from .base import Metric, Number, SyncedStates
 from .context_parallel import global_positions
-from .high_kl_records import RECORD_FIELDS, global_top_kl
+from .high_kl_records import HighKLRecords, global_top_kl, saved_state
 from .inputs import call_value, check_same_shape, given, to_device, with_call_values
 from .keywords import check_layout_declared
 from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
@@ -142,8 +142,7 @@ class GRPOMetric(Metric):
             self.add_state(name, "sum")
         self.add_state("token_kl_max", "max", grouped=True)
         self.add_state("token_ratio_max", "max", grouped=True)
-        self._top_kl: Optional[torch.Tensor] = None  # [k, len(RECORD_FIELDS)] float64, on the device
-        self._sequences_per_call: list[int] = []
+        self._high_kl = HighKLRecords(self.top_k_kl)
         self._warned_entropy = False
 
     # ------------------------------------------------------------ accumulate
@@ -173,7 +172,7 @@ class GRPOMetric(Metric):
         for batch in batches:
             if batch.counts_here:
                 self._accumulate_microbatch(batch, vocab_size, layout)
-        self._sequences_per_call.append(sum(batch.sequence_count for batch in batches))
+        self._high_kl.end_call(sum(batch.sequence_count for batch in batches))
 
     @staticmethod
     def _per_token_extras(batch: Any, output: Any, labels: torch.Tensor) -> dict:
@@ -268,7 +267,8 @@ class GRPOMetric(Metric):
             self._add_tokens("clip_high", high, clip_groups)
             self._add_tokens("clip_total", total, clip_groups)
         if self.top_k_kl > 0:
-            self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.cp_gathered)
+            positions = global_positions(kl.shape[-1], self.context, batch.cp_gathered, kl.device)
+            self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, positions)
 
     def _entropy(self, batch: SequenceBatch, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:
@@ -295,38 +295,8 @@ class GRPOMetric(Metric):
         high = valid & (ratio > 1 + self.epsilon_high) & (advantages > 0)
         return low, high, valid
 
-    # ------------------------------------------------------ top-K KL records
-
-    def _keep_top_kl(self, kl: torch.Tensor, ratio: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
-                     labels: torch.Tensor, valid: torch.Tensor, first_sequence: int, cp_gathered: bool) -> None:
-        """Merge this microbatch's highest-k3 tokens into the running top K (device ops only)."""
-        sequence_length = kl.shape[-1]
-        candidates = torch.where(valid, kl, torch.full_like(kl, float("-inf"))).reshape(-1)
-        k = min(self.top_k_kl, candidates.numel())
-        if k == 0:
-            return
-        top, index = candidates.topk(k)
-        rows, columns = index // sequence_length, index % sequence_length
-        positions = global_positions(sequence_length, self.context, cp_gathered, kl.device)
-        fields = torch.stack([
-            top, ratio.reshape(-1)[index], new.reshape(-1)[index], old.reshape(-1)[index],
-            labels.reshape(-1)[index].to(torch.float64), (rows + first_sequence).to(torch.float64),
-            positions[columns].to(torch.float64),
-            torch.full_like(top, float(len(self._sequences_per_call))),
-        ], dim=1)
-        merged = fields if self._top_kl is None else torch.cat([self._top_kl, fields.to(self._top_kl.device)])
-        keep = merged[:, 0].topk(min(self.top_k_kl, merged.shape[0])).indices
-        self._top_kl = merged[keep]
-
     def sync_records(self) -> Optional[list]:
-        if self.top_k_kl <= 0:
-            return None
-        dp_rank = self.context.dp_rank
-        records: list = [("sequences", call, dp_rank, count) for call, count in enumerate(self._sequences_per_call)]
-        if self._top_kl is not None:
-            rows = self._top_kl[self._top_kl[:, 0] > 0].tolist()  # calculate() time: host sync allowed
-            records += [("token", dp_rank, dict(zip(RECORD_FIELDS, row))) for row in rows]
-        return records
+        return self._high_kl.records(self.context.dp_rank) if self.top_k_kl > 0 else None
 
     # --------------------------------------------------------------- results
 
@@ -360,29 +330,16 @@ class GRPOMetric(Metric):
 
     def reset(self) -> None:
         super().reset()
-        self._top_kl = None
-        self._sequences_per_call = []
+        self._high_kl.reset()
 
     def extra_state(self, states: SyncedStates) -> dict[str, Any]:
         """The global top-K tokens so far (sequence indices in the global batch) and the sequences seen."""
-        if self.top_k_kl <= 0:
-            return {}
-        sequences = sum({(r[1], r[2]): r[3] for r in states.records if r[0] == "sequences"}.values())
-        return {"top_kl": global_top_kl(states.records, self.top_k_kl), "sequences": sequences}
+        return saved_state(states.records, self.top_k_kl) if self.top_k_kl > 0 else {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue under any layout: the saved top-K and sequence count become one earlier call of
         the primary rank (see :meth:`Metric.load_state_dict`), so new sequences are numbered after them."""
         super().load_state_dict(state_dict)
-        self._top_kl, self._sequences_per_call = None, []
-        if self.top_k_kl <= 0 or "sequences" not in state_dict:
-            return
-        primary = holds_loaded_sums(self)
-        self._sequences_per_call = [int(state_dict["sequences"]) if primary else 0]
-        records = state_dict["top_kl"] if primary else []
-        if records:
-            fields = {"kl": "kl", "ratio": "ratio", "logp_new": "logp_new", "logp_old": "logp_old",
-                      "token_id": "token_id", "sequence": "gsi", "position": "pos"}
-            rows = [[float(record[fields[name]]) if name in fields else 0.0 for name in RECORD_FIELDS]
-                    for record in records]
-            self._top_kl = torch.tensor(rows, dtype=torch.float64, device=self._state_device())
+        self._high_kl.reset()
+        if self.top_k_kl > 0 and "sequences" in state_dict:
+            self._high_kl.load(state_dict, holds_loaded_sums(self), self._state_device())
