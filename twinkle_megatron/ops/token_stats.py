@@ -75,6 +75,10 @@ Edge cases:
   uses each shard's own float64 maximum.
 
 The logits are read, never written. Nothing here synchronises with the host.
+
+Each step is a named function, in order: :func:`check_token_stats_inputs`, :func:`calculate_local_pass`,
+:func:`calculate_global_max` (collective 1), :func:`calculate_global_sums` (rescale, collective 2),
+:func:`calculate_entropy` and :func:`calculate_label_logprobs` (the epilogue).
 """
 
 from __future__ import annotations
