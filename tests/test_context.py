@@ -18,7 +18,7 @@ def _from_megatron() -> tuple:
         ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
         ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size())
     return (context.tp_rank, context.pp_rank, context.cp_rank, context.dp_rank, context.is_last_stage,
-            context.holds_data(), context.holds_data(cp_gathered=True), context.reduce_size)
+            context.counts_here(), context.counts_here(cp_gathered=True), context.reduce_size)
 
 
 def test_from_megatron_tp_pp_cp():
@@ -226,5 +226,5 @@ def test_process_group_alone_is_data_parallel_and_world_is_the_default():
 
 def test_single_process():
     context = ParallelContext.resolve()
-    assert context == ParallelContext.single() and not context.distributed and context.holds_data()
+    assert context == ParallelContext.single() and not context.distributed and context.counts_here()
     assert ParallelContext.resolve(device_mesh=context) is context

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["twinkle_megatron.metric.accuracy", "twinkle_megatron.metric.logprob_entropy",
+MODULES = ["twinkle_megatron.metric.accuracy", "twinkle_megatron.metric.token_stats",
            "twinkle_megatron.metric.loss", "twinkle_megatron.metric.train", "twinkle_megatron.metric.grpo",
            "twinkle_megatron.metric.dpo", "twinkle_megatron.metric.embedding",
            "twinkle_megatron.metric.completion_reward", "twinkle_megatron.metric.ppo",

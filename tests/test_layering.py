@@ -27,8 +27,8 @@ MODULES = sorted(name for _, name, _ in pkgutil.walk_packages([str(PACKAGE)], "t
 FILES = sorted(PACKAGE.rglob("*.py"))
 # Private names of other packages read on purpose, each for want of a public API.
 EXTERNAL_PRIVATE = {
-    "torch._C": "moe_routing: _current_graph_task_id tells a forward recomputed inside backward",
-    "_version": "moe_routing: a tensor's version counter tells whether Megatron's aux-loss tracker was written",
+    "torch._C": "router_hooks: _current_graph_task_id tells a forward recomputed inside backward",
+    "_version": "router_hooks: a tensor's version counter tells whether Megatron's aux-loss tracker was written",
     "os._exit": "testing.distributed: a forked worker leaves without the parent's atexit handlers (the stdlib's "
                 "documented way out of a forked child)",
 }
@@ -175,3 +175,12 @@ def test_the_testing_package_init_imports_nothing():
     tree = ast.parse((PACKAGE / "testing" / "__init__.py").read_text())
     imports = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert imports == [], imports
+
+
+MAX_LINES = 400  # one job per file: a module past this is doing two
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_package_file_is_over_400_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines: move a whole responsibility out"

@@ -19,14 +19,9 @@ Every rank gets the same results, the router hooks make no host sync
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.util
 import inspect
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,17 +29,17 @@ import torch
 import torch.distributed as dist
 from kit.cuda_shim import cpu_cuda_shim
 from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives, forbid_host_sync, host_sync_free
+from kit.guards import count_collectives, host_sync_free
 from kit.megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
 from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config, recompute_rng_on_cpu
-from kit.readme import key_table
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
 
 from twinkle_megatron import keys
-from twinkle_megatron.megatron import MetricHookError, instrument, moe_routing
-from twinkle_megatron.megatron.moe_routing import MoERoutingHooks, MoERoutingMetric
+from twinkle_megatron.megatron import MetricHookError, instrument, router_hooks
+from twinkle_megatron.megatron.router_hooks import MoERoutingHooks
+from twinkle_megatron.metric.moe_routing import MoERoutingMetric
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16,
@@ -198,7 +193,7 @@ def _train_worker(tp: int, pp: int, ep: int, sequence_parallel: bool, recompute:
         if evaluate:
             for chunk in chunks:
                 chunk.eval()
-        routers = moe_routing.find_routers(chunks)
+        routers = router_hooks.find_routers(chunks)
         in_backward: list = []  # router calls inside the autograd engine: activation recomputation
         for router in routers:
             router.register_forward_hook(lambda *_: in_backward.append(torch._C._current_graph_task_id() != -1))
@@ -341,7 +336,7 @@ def _single_process_checks() -> dict:
         # moe_routing=False: no MoE metric, no router hooks.
         plain = instrument(chunks, vocab_size=SPEC.vocab_size, moe_routing=False)
         out["disabled"] = (plain.moe, len(plain.metrics),
-                           sum(len(r._forward_hooks) for r in moe_routing.find_routers(chunks)))
+                           sum(len(r._forward_hooks) for r in router_hooks.find_routers(chunks)))
         plain.detach()
         # A dense GPTModel (no MoE layers): no MoE metric.
         from kit.megatron_gpt import build_gpt_model
@@ -379,199 +374,3 @@ def test_keys_switches_dense_models_and_the_host_sync_guard():
     assert out["disabled"][0] is None and out["disabled"][2] == 0
     assert out["dense"][0] is None and "MoERoutingMetric" not in out["dense"][1]
     assert "host sync: aten::_local_scalar_dense" in out["guard"], out["guard"]
-
-
-# ------------------------------------------------------------------ the metric alone: formulas, edge cases
-
-
-def _metric(**kwargs) -> MoERoutingMetric:
-    return MoERoutingMetric(num_layers=3, num_experts=4, topk=2, **kwargs)
-
-
-def _routing_map(pairs) -> torch.Tensor:
-    routing_map = torch.zeros(len(pairs), 4, dtype=torch.bool)
-    for token, experts in enumerate(pairs):
-        routing_map[token, list(experts)] = True
-    return routing_map
-
-
-def test_formulas_on_a_hand_made_interval():
-    metric = _metric(per_layer=True)
-    # Layer 1 (row 0): 4 tokens, loads [3, 2, 2, 1]; layer 3 (row 2): loads [4, 4, 0, 0]; layer 2 unseen.
-    metric.record_routing(1, _routing_map([(0, 1), (0, 2), (0, 3), (1, 2)]))
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]] * 2 + [[10.0, 10.0, -30.0, -30.0]] * 2)
-    metric.record_routing(3, _routing_map([(0, 1)] * 4), logits=logits)
-    result = metric.calculate()
-    assert result[keys.MOE_LAYERS] == 2 and result[keys.MOE_TOKENS] == 4.0
-    b = 4 * 2 / 4
-    assert result["moe/layer_0/utilization_min"] == 1 / b and result["moe/layer_0/utilization_max"] == 3 / b
-    loads = torch.tensor([3.0, 2.0, 2.0, 1.0])
-    assert result["moe/layer_0/utilization_cv"] == pytest.approx(float(loads.std(unbiased=False) / loads.mean()))
-    assert result["moe/layer_0/dead_expert_fraction"] == 0 and result["moe/layer_2/dead_expert_fraction"] == 0.5
-    assert "moe/layer_1/utilization_min" not in result, "a layer without tokens reports nothing"
-    assert "moe/layer_0/routing_entropy_norm" not in result, "no logits, no entropy"
-    # Two uniform tokens (H = log 4) and two split evenly over two experts (H = log 2).
-    assert result["moe/layer_2/routing_entropy_norm"] == pytest.approx(math.exp((math.log(4) + math.log(2)) / 2) / 4)
-    assert result[keys.MOE_ROUTING_ENTROPY_NORM] == result["moe/layer_2/routing_entropy_norm"]
-    assert result[keys.MOE_IMBALANCE_MAX] == 2.0 and result[keys.MOE_IMBALANCE_WORST_LAYER] == 2
-    assert result[keys.MOE_IMBALANCE_MEAN] == pytest.approx((1.5 + 2.0) / 2)
-    assert result[keys.MOE_IMBALANCE_P50] == pytest.approx(1.75) and result[keys.MOE_IMBALANCE_P90] == \
-        pytest.approx(1.95)
-    assert result[keys.MOE_DEAD_EXPERT_FRACTION] == 0.25 and result[keys.MOE_UTILIZATION_MIN] == 0.0
-    assert result["moe/layer_2/expert_0_utilization"] == 2.0
-    assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in result.values())
-    assert metric.calculate() == {}, "calculate() resets"
-
-
-def test_padding_and_nonfinite_logits_are_left_out_and_counted():
-    metric = _metric()
-    padding = torch.tensor([False, True, False, True])
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [5.0, 1.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0],
-                           [float("inf"), 0.0, 0.0, 0.0]])
-    metric.record_routing(2, _routing_map([(0, 1), (2, 3), (0, 2), (2, 3)]), logits=logits, padding_mask=padding)
-    result = metric.calculate()
-    assert result[keys.MOE_TOKENS] == 2.0, "padding tokens are not counted"
-    assert result[keys.MOE_UTILIZATION_MIN] == 0.0  # loads [2, 1, 1, 0]: expert 3 only had padding
-    assert result[keys.MOE_IMBALANCE_MAX] == 2.0
-    assert result[keys.MOE_NONFINITE_ROUTER_TOKENS] == 1, "the NaN token counts, the padded inf one does not"
-    assert result[keys.MOE_ROUTING_ENTROPY_NORM] == pytest.approx(1.0), "only the uniform token is averaged"
-
-
-def test_ties_percentiles_and_worst_layer():
-    metric = _metric()
-    for layer in (1, 2, 3):
-        metric.record_routing(layer, _routing_map([(0, 1), (0, 1)]))  # every layer: loads [2, 2, 0, 0]
-    result = metric.calculate()
-    assert result[keys.MOE_IMBALANCE_WORST_LAYER] == 0, "ties go to the lowest layer"
-    assert result[keys.MOE_IMBALANCE_P50] == result[keys.MOE_IMBALANCE_P90] == 2.0
-
-
-def test_router_losses_are_weighted_by_their_reduce_group():
-    metric = _metric()
-    metric.record_routing(1, _routing_map([(0, 1)]))
-    # Two ranks of one TP×CP group each hold half of a microbatch's loss 1.2; another microbatch: 0.8.
-    metric.record_router_loss("load_balancing_loss", 1, torch.tensor(0.5, dtype=torch.float64), 0.5)
-    metric.record_router_loss("load_balancing_loss", 1, 0.7, 0.5)
-    metric.record_router_loss("load_balancing_loss", 1, 0.8, 1.0)
-    result = metric.calculate()
-    assert result["moe/load_balancing_loss"] == pytest.approx(1.0)
-    assert "moe/z_loss" not in result, "a loss Megatron did not compute is not reported"
-    with pytest.raises(ValueError, match="unknown router loss"):
-        metric.record_router_loss("aux", 1, 0.1, 1.0)
-
-
-def test_bad_input_raises_with_both_shapes():
-    metric = _metric()
-    with pytest.raises(ValueError, match=r"routing_map has shape \(3, 5\), expected \[tokens, 4\]"):
-        metric.record_routing(1, torch.zeros(3, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match="padding_mask has shape"):
-        metric.record_routing(1, torch.zeros(3, 4, dtype=torch.bool), padding_mask=torch.zeros(4, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"layer number 4 outside 1\.\.3"):
-        metric.record_routing(4, torch.zeros(3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="topk"):
-        MoERoutingMetric(num_layers=2, num_experts=4, topk=5)
-
-
-def test_resume_continues_the_interval():
-    metric = _metric()
-    metric.record_routing(1, _routing_map([(0, 1), (0, 2)]))
-    saved = metric.state_dict()
-    resumed = _metric()
-    resumed.load_state_dict(saved)
-    resumed.record_routing(1, _routing_map([(2, 3), (1, 3)]))
-    assert torch.equal(saved["states"]["load"][0], torch.tensor([2.0, 1.0, 1.0, 0.0], dtype=torch.float64)), \
-        "the checkpoint is not changed by the resumed run"
-    assert resumed.calculate()[keys.MOE_IMBALANCE_MAX] == 1.0  # loads [2, 2, 2, 2]
-
-
-def _guarded_record(metric: MoERoutingMetric) -> None:
-    with forbid_host_sync():
-        metric.record_routing(2, _routing_map([(0, 1), (1, 2)]), logits=torch.randn(2, 4),
-                              padding_mask=torch.tensor([False, True]))
-        metric.record_router_loss("z_loss", 2, torch.tensor(3.0), 1.0)
-
-
-def test_recording_makes_no_host_sync():
-    metric = _metric()
-    _guarded_record(metric)
-    assert metric.calculate()[keys.MOE_TOKENS] == 1.0
-
-
-# ------------------------------------------------------------------ the key table, the plot
-
-
-def test_the_docs_list_exactly_the_moe_key_table():
-    assert key_table("moe") == [key for key, _ in keys.MOE_KEYS]
-    assert all(key.startswith(keys.MOE_PREFIX) for key, _ in keys.MOE_KEYS)
-
-
-def test_plot_draws_the_routing_panel_and_the_expert_load_heat_map(tmp_path):
-    pytest.importorskip("matplotlib")
-    from twinkle_megatron.cli import main
-
-    metric = _metric(per_layer=True)
-    log = tmp_path / "metrics.jsonl"
-    with log.open("w") as file:
-        for step in (1, 2):
-            metric.record_routing(1, _routing_map([(0, 1), (0, 2), (0, 3), (1, 2)]))
-            metric.record_routing(3, _routing_map([(0, 1)] * 4))
-            file.write(json.dumps({"step": step, "loss": 1.0 / step, **metric.calculate()}) + "\n")
-    assert main(["plot", str(log), "-o", str(tmp_path / "plots")]) == 0
-    written = {path.name for path in (tmp_path / "plots").iterdir()}
-    assert {"moe_routing.png", "moe_load.png", "overview.png"} <= written
-    from twinkle_megatron.cli import load_run
-    from twinkle_megatron.plots import expert_load_grid
-
-    layers, grid = expert_load_grid(load_run(str(log)))
-    assert layers == [0, 2] and grid == [[1.5, 1.0, 1.0, 0.5], [2.0, 2.0, 0.0, 0.0]]
-
-
-# ------------------------------------------------------------------ the demo's MoE variant
-
-
-def test_the_moe_demo_logs_and_charts_routing_health(tmp_path):
-    """examples/train_gpt.py --moe-experts 4 --moe-topk 2 on PP2 × DP2 × EP2 CPU ranks (Megatron's DDP,
-    optimizer and 1F1B schedule): every record has the moe/ aggregates and the per-layer loads; plot charts them."""
-    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "2", "--dp", "2",
-               "--ep", "2", "--moe-experts", "4", "--moe-topk", "2", "--steps", "2", "--log-interval", "1",
-               "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl", "stdout"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    log = tmp_path / "run" / "metrics.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    aggregates = {key for key, _ in keys.MOE_KEYS} - {keys.MOE_NONFINITE_ROUTER_TOKENS,
-                                                       "moe/seq_load_balancing_loss", "moe/global_load_balancing_loss"}
-    for record in records:
-        assert aggregates <= set(record), aggregates - set(record)
-        assert record[keys.MOE_TOKENS] == 4 * 4 * 32 * 2  # microbatches × micro batch × sequence × DP, per layer
-        assert all(f"moe/layer_{i}/expert_{e}_utilization" in record for i in range(4) for e in range(4))
-        assert 1.0 <= record[keys.MOE_IMBALANCE_MAX] <= 4 / 2
-    line = next(line for line in done.stdout.splitlines() if line.startswith("step 2 |"))
-    assert "moe/imbalance_max" in line and "moe/layer_" not in line, "per-layer keys stay off the console line"
-    pytest.importorskip("matplotlib")
-    from twinkle_megatron.cli import main
-
-    assert main(["plot", str(log), "-o", str(tmp_path / "plots")]) == 0
-    assert {"moe_routing.png", "moe_load.png"} <= {path.name for path in (tmp_path / "plots").iterdir()}
-
-
-def _demo_script():
-    spec = importlib.util.spec_from_file_location("train_gpt_moe", ROOT / "examples" / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("flags, message", [
-    (dict(moe_experts=4, moe_topk=5), "--moe-topk 5 is more than --moe-experts 4"),
-    (dict(moe_experts=6, ep=4, dp=4), "--moe-experts 6 is not divisible by --ep 4"),
-    (dict(moe_experts=4, ep=4, dp=2), "--ep 4 does not divide --dp 2"),
-    (dict(moe_experts=4, tp=2), "use --tp 1 on CPU"),
-    (dict(ep=2), "--ep 2 needs MoE layers"),
-])
-def test_impossible_moe_flags_are_refused(flags, message):
-    script = _demo_script()
-    args = script.parse_args(["--tp", "1", "--dp", "2", "--device", "cpu"])
-    problems = script.flag_problems(argparse.Namespace(**{**vars(args), **flags}))
-    assert any(message in problem for problem in problems), problems

@@ -31,7 +31,7 @@ from twinkle_megatron.ops import (
     vocab_parallel_token_stats,
 )
 from twinkle_megatron.ops.shard import decode_key, encode_key
-from twinkle_megatron.ops.token_stats import first_max_column
+from twinkle_megatron.ops.torch_local_pass import first_max_column
 
 
 def op_results(shard: torch.Tensor, labels: torch.Tensor, vocab_size, group=None, chunks=(None,),

@@ -23,7 +23,7 @@ from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config
 from megatron.core.models.gpt import GPTModel
 
 from twinkle_megatron.megatron import MetricHookError, RolloutRoutingMetric, attach_rollout_routing, instrument
-from twinkle_megatron.megatron.moe_routing import MoERoutingHooks
+from twinkle_megatron.megatron.router_hooks import MoERoutingHooks
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16,
                add_bias_linear=False)

@@ -41,7 +41,7 @@ from twinkle_megatron.ops import (
     vocab_parallel_token_stats,
 )
 from twinkle_megatron.ops.kernel_select import ENV_KERNEL, choose_kernel
-from twinkle_megatron.ops.token_stats import torch_local_pass
+from twinkle_megatron.ops.torch_local_pass import torch_local_pass
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs the pinned one)")
 

@@ -94,7 +94,7 @@ TRACKER_KEYS: tuple[tuple[str, str], ...] = (
 # Counters that must stay exact (TensorBoard stores float32: exact only up to 2**24).
 EXACT_COUNTERS = (CONSUMED_TOKENS,)
 
-# moe/: MoE routing health (twinkle_megatron.megatron.moe_routing; formulas in its docstring). Aggregates
+# moe/: MoE routing health (twinkle_megatron.metric.moe_routing; formulas in its docstring). Aggregates
 # over the MoE layers; per-layer keys (opt-in) are moe_layer_key(layer, stat).
 MOE_PREFIX = "moe/"
 MOE_LAYERS = "moe/layers"

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from .. import keys
 from ..metric import Metric
-from ..metric.base import Number, StateValues
+from ..metric.base import Number, SyncedStates
 
 
 class MetricHookError(RuntimeError):
@@ -52,5 +52,5 @@ class HookFailures(Metric):
         super().reset()
         self.messages = []
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         return {keys.METRIC_HOOK_FAILURES: int(states["failures"])} if states["failures"] else {}

@@ -33,7 +33,6 @@ the step's results; hook failures are data (:mod:`.hook_failures`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import warnings
@@ -54,7 +53,8 @@ from .hook_failures import HookFailures, MetricHookError
 from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
-from .moe_routing import attach_moe_routing, find_routers
+from .microbatch_feed import microbatch_feed, per_token_losses
+from .router_hooks import attach_moe_routing, find_routers
 from .token_reports import TokenReports, report_device, with_entries
 
 
@@ -93,7 +93,7 @@ class MegatronInstrumentation:
     Megatron's own gradient (see :mod:`.fused_loss`; what it refuses and why).
 
     Megatron-core MoE layers also report routing health (``moe/...``, see
-    :mod:`.moe_routing`; needs ``model``); ``moe_routing=False`` leaves the
+    :mod:`.router_hooks`; needs ``model``); ``moe_routing=False`` leaves the
     routers alone, ``moe_per_layer=True`` adds the per-layer keys.
     """
 
@@ -111,7 +111,7 @@ class MegatronInstrumentation:
         # The failure count joins the metrics' sync, wherever they are calculated (here or in a tracker).
         user_metrics = metrics.metrics if isinstance(metrics, MetricCollection) else list(metrics)
         chunks = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
-        # MoE routing health: hooks on the routers, one more metric in the same sync (megatron/moe_routing.py).
+        # MoE routing health: hooks on the routers (router_hooks.py), one more metric in the same sync.
         self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
             if moe_routing and chunks else None
         self._moe_wanted = moe_routing and model is None
@@ -194,7 +194,7 @@ class MegatronInstrumentation:
             gathered = kwargs.get("runtime_gather_output")
             gathered = getattr(module, "gather_output", False) if gathered is None else gathered
             context = self.context
-            stats = logits_token_stats(logits.detach(), labels, context if not gathered else _no_tp(context),
+            stats = logits_token_stats(logits.detach(), labels, context if not gathered else context.without_tp(),
                                        self.vocab_size, layout="sbv", ignore_index=self.ignore_index)
             self._captured = {**self._current, "stats": stats}
         except Exception as error:  # noqa: BLE001
@@ -295,30 +295,27 @@ class MegatronInstrumentation:
                     sample_index: Any = None) -> Optional[dict]:
         """Feed the metrics; returns the report entries (with ``loss_reports``) when statistics were captured."""
         loss, num_tokens = loss_func_result(result, self.loss_key)
-        inputs: dict[str, Any] = {}
-        outputs: dict[str, Any] = {"loss": loss, "num_tokens": num_tokens}
+        if captured is None:  # no labels seen: the loss only (Megatron's [sum, count] report, pooled by tokens)
+            self.metrics.accumulate(*microbatch_feed(loss=loss, num_tokens=num_tokens), loss_reduction="sum")
+            return None
+        labels = captured["labels"]
+        loss_mask = None if loss_mask is None else loss_mask.reshape(labels.shape)
+        # Per group, position and sample, the loss is pooled from the per-token losses GPTModel hands the
+        # loss_func (the report's [sum, count] is one number for the whole microbatch); the global loss stays
+        # the report's.
+        token_losses = per_token_losses(output_tensor, labels)
         entries = None
-        if captured is not None:
-            labels = captured["labels"]
-            inputs["labels"] = labels
-            if loss_mask is not None:
-                inputs["completion_mask"] = loss_mask = loss_mask.reshape(labels.shape)
-            outputs["token_stats"] = captured["stats"]
-            inputs["packed_seq_params"] = captured.get("packed_seq_params")  # THD: sub-sequences
-            # Per group, position and sample, the loss is pooled from the per-token losses GPTModel hands the
-            # loss_func (the report's [sum, count] is one number for the whole microbatch); the global loss stays
-            # the report's.
-            token_losses = output_tensor.detach().reshape(labels.shape) if isinstance(output_tensor, torch.Tensor) \
-                and output_tensor.numel() == labels.numel() else None
-            if group_ids is not None:
-                inputs[self.group_key] = group_ids
-            if self.reports is not None:
-                groups = self.reports.groups(group_ids, labels, self.context)
-                entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
-            if self._samples is not None:
-                inputs[self._samples.index_key] = sample_index
-            if (group_ids is not None or self._by_position or self._samples is not None) and token_losses is not None:
-                outputs["token_losses"] = token_losses
+        if self.reports is not None:
+            groups = self.reports.groups(group_ids, labels, self.context)
+            entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
+        more = {"packed_seq_params": captured.get("packed_seq_params")}  # THD: sub-sequences
+        if self._samples is not None:
+            more[self._samples.index_key] = sample_index
+        wants_token_losses = group_ids is not None or self._by_position or self._samples is not None
+        inputs, outputs = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=captured["stats"],
+                                          group_key=self.group_key, group_ids=group_ids, loss=loss,
+                                          num_tokens=num_tokens, more_inputs=more,
+                                          token_losses=token_losses if wants_token_losses else None)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
         return entries
@@ -338,22 +335,14 @@ class MegatronInstrumentation:
         and, for the per-group loss, ``token_losses`` (per token, shaped like
         ``labels``: GPTModel's output with ``labels=``).
         """
-        inputs: dict[str, Any] = {}
-        outputs: dict[str, Any] = {}
-        if labels is not None:
-            inputs["labels"] = labels
-            if loss_mask is not None:
-                inputs["completion_mask"] = loss_mask.reshape(labels.shape)
-            if logits is not None:
-                check_layout_declared(self, logits, labels, logits_layout)
-                outputs["token_stats"] = logits_token_stats(logits.detach(), labels, self.context, self.vocab_size,
-                                                            logits_layout, self.ignore_index)
-        if group_ids is not None:
-            inputs[self.group_key] = group_ids
-        if loss is not None:
-            outputs.update(loss=loss, num_tokens=num_tokens)
-            if token_losses is not None:
-                outputs["token_losses"] = token_losses.detach()
+        stats = None
+        if labels is not None and logits is not None:
+            check_layout_declared(self, logits, labels, logits_layout)
+            stats = logits_token_stats(logits.detach(), labels, self.context, self.vocab_size, logits_layout,
+                                       self.ignore_index)
+        inputs, outputs = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=stats, group_key=self.group_key,
+                                          group_ids=group_ids, loss=loss, num_tokens=num_tokens,
+                                          token_losses=token_losses if loss is not None else None)
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
 
     # ------------------------------------------------------------ results etc.
@@ -404,10 +393,3 @@ class MegatronInstrumentation:
 # The short name users call: ``instrument(model, ...)`` builds the class; one signature, one docstring.
 instrument = MegatronInstrumentation
 
-
-# ------------------------------------------------------------------ helpers
-
-
-def _no_tp(context: Any) -> Any:
-    """The context with the whole vocabulary local (the output layer gathered its output)."""
-    return dataclasses.replace(context, tp_group=None, tp_size=1)

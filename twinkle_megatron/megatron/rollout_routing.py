@@ -5,7 +5,7 @@ other experts than the trainer's router does (kernels, precision, batch
 composition): a main source of the train–inference mismatch of MoE RL. When
 the rollout's routed experts are known (per token and layer, ``k`` each: what
 vLLM / SGLang can return for routing replay), this compares them with the
-trainer's own routing, through the router hooks of :mod:`.moe_routing`:
+trainer's own routing, through the router hooks of :mod:`.router_hooks`:
 
     rollout_routing_mismatch (layer i) = Σ_t (k − |R_t ∩ R'_t|) / (k · T_i)
 
@@ -36,8 +36,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..metric.base import Metric, Number, StateValues
-from .moe_routing import MoERoutingHooks
+from ..metric.base import Metric, Number, SyncedStates
+from .router_hooks import MoERoutingHooks
 
 TOTAL_KEY = "moe/rollout_routing_mismatch"
 
@@ -77,7 +77,7 @@ class RolloutRoutingMetric(Metric):
         self._add("differing", differing)
         self._add("decisions", decisions)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         decisions, differing = states["decisions"], states["differing"]
         total = float(decisions.sum())
         if total == 0:

@@ -10,11 +10,11 @@ from .grpo import GRPOMetric
 from .grpo_variants import CISPOMetric, GSPOMetric, PPOMetric
 from .keywords import MetricInputWarning
 from .logits_metric import LogitsMetric
-from .logprob_entropy import TokenStatsMetric
 from .loss import LossMetric
 from .ppo import PPOValueMetric
 from .sample_losses import SampleLosses
 from .sync import MetricSyncError, SyncedStates, calculate_metrics
+from .token_stats import TokenStatsMetric
 from .train import TrainMetric
 
 __all__ = ["Metric", "StateSpec", "SyncedStates", "MetricCollection", "calculate_metrics", "LogitsMetric", "Accuracy",

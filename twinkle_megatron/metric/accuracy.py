@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Number, StateValues
+from .base import Number, SyncedStates
 from .inputs import to_device
 from .logits_metric import LogitsMetric
 
@@ -50,7 +50,7 @@ class Accuracy(LogitsMetric):
             self._add_tokens("correct_tokens", classes.counted & (batch.stats.argmax == labels), groups)
             self._add_tokens("total_tokens", classes.counted, groups)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results = self._token_problems(states)
         total = states["total_tokens"]
         if total > 0:

@@ -8,7 +8,7 @@ the globally reduced states into Python numbers in :meth:`compute`.
 
 ``calculate()`` is collective: every rank calls it and every rank gets the same
 dict. Ranks whose data does not count (earlier pipeline stages, TP ranks other
-than 0, see :meth:`ParallelContext.holds_data`) contribute identity values, so
+than 0, see :meth:`ParallelContext.counts_here`) contribute identity values, so
 the collectives always line up and nothing is counted twice.
 
 ``accumulate`` runs without autograd (every subclass's ``accumulate`` is wrapped
@@ -35,11 +35,9 @@ from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenSlices, check_group_
 from .inputs import arrays_as_tensors, given
 from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
 from .positions import position_buckets as check_position_buckets
-from .sync import SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
+from .resume import loaded_states
+from .sync import Number, SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
 from .twinkle_base import twinkle_metric_base
-
-Number = Union[int, float]
-StateValues = SyncedStates  # what compute() receives
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -326,8 +324,8 @@ class Metric(_Base):
         """Write host-side values that join the sync (timers) into their states; called by every sync."""
 
     def counts_here(self) -> bool:
-        """Whether this rank's states count in the global reduction (see :meth:`ParallelContext.holds_data`)."""
-        return self.every_rank_counts or self.context.holds_data(bool(self.cp_gathered))
+        """Whether this rank's states count in the global reduction (see :meth:`ParallelContext.counts_here`)."""
+        return self.every_rank_counts or self.context.counts_here(bool(self.cp_gathered))
 
     def sync_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""
@@ -361,35 +359,9 @@ class Metric(_Base):
         return reduced_state_dicts([self])[0]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` of a run under any layout.
-
-        Sums go to one rank (the first rank whose data counts: last stage, TP, CP
-        and DP rank 0), identities to the others; maxima and minima to every rank.
-        """
-        states = state_dict["states"]
-        missing = set(self._specs) - set(states)
-        if missing:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: missing states {sorted(missing)}")
-        device = self._state_device()
-        primary = self._is_primary()
-        loaded = {}
-        for name, spec in self._specs.items():
-            value = torch.as_tensor(states[name], dtype=torch.float64)
-            if tuple(value.shape) != spec.shape:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: state {name!r} has shape "
-                                 f"{tuple(value.shape)}, expected {spec.shape}")
-            if spec.reduce == "sum" and not primary:
-                value = torch.full(spec.shape, spec.identity, dtype=torch.float64)
-            loaded[name] = value.to(device).clone()  # updated in place later: never the caller's tensor
-        self._states = loaded
-
-    def _is_primary(self) -> bool:
-        """The one rank that holds the loaded sums: its data counts, and it is DP and CP rank 0 (for a metric
-        every rank counts in, rank 0 of the reduction group)."""
-        context = self.context
-        if self.every_rank_counts:
-            return not context.distributed or dist.get_rank(context.reduce_group) == 0
-        return context.holds_data(bool(self.cp_gathered)) and context.dp_rank == 0 and context.cp_rank == 0
+        """Continue from :meth:`state_dict` of a run under any layout (sums to one rank, maxima and minima
+        to every rank; see :mod:`.resume`)."""
+        self._states = loaded_states(self, state_dict, self._state_device())
 
     # ------------------------------------------------------- Twinkle helpers
 
@@ -398,7 +370,7 @@ class Metric(_Base):
 
         Collective (every rank calls it). Returns, on every rank, the
         concatenation of the lists of every rank whose data counts (the last
-        pipeline stage, TP rank 0, see :meth:`ParallelContext.holds_data`), in
+        pipeline stage, TP rank 0, see :meth:`ParallelContext.counts_here`), in
         rank order: all data-parallel (and context-parallel) ranks' results,
         each once. One ``all_gather_object`` over the reduction group.
         """

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .inputs import call_value, to_device
 
 GENERATE_TIME = "profiling/Time taken: generate"
@@ -148,7 +148,7 @@ class CompletionRewardMetric(Metric):
             self._slots[name] = len(self._slots)
         return self._slots[name]
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         if states["weight_sync_times"] > 0:
             results[WEIGHT_SYNC_TIME] = states["weight_sync_time_sum"] / states["weight_sync_times"]

@@ -20,7 +20,7 @@ the single-process one either way.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,17 +28,42 @@ import torch.distributed as dist
 from ..parallel import ParallelContext
 
 SequenceTensors = dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, its sequence dimension)
+GROUP_IDS = "group_ids"  # the key of per-token group ids in a CP alignment
 
 
 class CPAlignment(NamedTuple):
     """The microbatch's per-token tensors, all local or all complete, and which of the two."""
 
     tensors: dict[str, torch.Tensor]
-    complete: bool  # every tensor holds whole sequences: count on CP rank 0 only, no CP partial sums
+    cp_gathered: bool  # every tensor holds whole sequences: count on CP rank 0 only, no CP partial sums
 
-    def counted_here(self, context: ParallelContext) -> bool:
+    def counts_here(self, context: ParallelContext) -> bool:
         """Whether this rank adds the microbatch to its states (complete data: CP rank 0 only)."""
-        return not self.complete or context.cp_rank == 0
+        return not self.cp_gathered or context.cp_rank == 0
+
+
+def per_token_tensors(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None, group_ids: Any = None,
+                      first: Optional[SequenceTensors] = None,
+                      more: Optional[SequenceTensors] = None) -> SequenceTensors:
+    """The tensors of one microbatch that :func:`align_to_cp_rank` matches, by name: ``first`` (the metric's own:
+    logits, losses), ``labels``, ``completion_mask`` when given, ``more``, and ``group_ids`` when they are per
+    token (shaped like labels of more than one dimension; per-sample ids need no matching). The sequence
+    dimension is the last one, except in ``first`` and ``more`` (given with theirs).
+    :func:`aligned_group_ids` takes the group ids back out of the alignment."""
+    tensors: SequenceTensors = dict(first or {})
+    tensors["labels"] = (labels, labels.dim() - 1)
+    if completion_mask is not None:
+        tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
+    tensors.update(more or {})
+    if isinstance(group_ids, torch.Tensor) and group_ids.dim() == labels.dim() > 1:
+        tensors[GROUP_IDS] = (group_ids, group_ids.dim() - 1)
+    return tensors
+
+
+def aligned_group_ids(aligned: CPAlignment, group_ids: Any) -> Any:
+    """The group ids after :func:`align_to_cp_rank`: per token ones as matched (taken out of ``aligned.tensors``,
+    so that only the metric's tensors stay there), per-sample ones (or None) as given."""
+    return aligned.tensors.pop(GROUP_IDS, group_ids)
 
 
 def this_rank_chunks(tensor: torch.Tensor, dim: int, context: ParallelContext) -> torch.Tensor:
@@ -70,16 +95,16 @@ def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gath
     """
     plain = {name: tensor for name, (tensor, _) in tensors.items()}
     if context.cp_size == 1 or not tensors:
-        return CPAlignment(plain, complete=True)
+        return CPAlignment(plain, cp_gathered=True)
     cp = context.cp_size
     lengths = {name: tensor.shape[dim] for name, (tensor, dim) in tensors.items()}
     shortest, longest = min(lengths.values()), max(lengths.values())
     if shortest == longest:
         if cp_gathered is None:
-            complete = local_length is not None and shortest == cp * local_length
+            gathered = local_length is not None and shortest == cp * local_length
         else:
-            complete = cp_gathered
-        return CPAlignment(plain, complete)
+            gathered = cp_gathered
+        return CPAlignment(plain, gathered)
     described = ", ".join(f"{name} {length}" for name, length in lengths.items())
     if longest != cp * shortest or any(length not in (shortest, longest) for length in lengths.values()):
         raise ValueError(f"per-token tensors of one microbatch have sequence lengths {described}; under context "
@@ -93,28 +118,35 @@ def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gath
                          "leave cp_gathered unset to have the whole ones cut to this rank's chunks")
     aligned = {name: this_rank_chunks(tensor, dim, context) if lengths[name] == longest else tensor
                for name, (tensor, dim) in tensors.items()}
-    return CPAlignment(aligned, complete=False)
+    return CPAlignment(aligned, cp_gathered=False)
 
 
-def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, complete: bool) -> torch.Tensor:
+def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, cp_gathered: bool) -> torch.Tensor:
     """``tensor`` summed over the CP group when each CP rank holds chunks of the sequences.
 
     One all-reduce (no host sync) when ``cp_size > 1`` and the data is not
-    ``complete``; otherwise ``tensor`` itself. Every CP rank of the group must
+    ``cp_gathered``; otherwise ``tensor`` itself. Every CP rank of the group must
     call it for the same microbatch, as every CP rank runs the same microbatches.
     """
-    if context.cp_size == 1 or complete or not context.distributed:
+    if context.cp_size == 1 or cp_gathered or not context.distributed:
         return tensor
     tensor = tensor.contiguous().clone()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=context.cp_group)
     return tensor
 
 
-def global_positions(local_length: int, context: ParallelContext, complete: bool,
+def once_per_sequence(context: ParallelContext, cp_gathered: bool) -> float:
+    """The weight (1.0 or 0.0) of a sequence-level value completed by :func:`sum_over_context_parallel`, so
+    that each sequence counts once: after the sum every CP rank holds it, so CP rank 0 alone counts it;
+    ``cp_gathered`` data reaches the metric's states on CP rank 0 only already (:meth:`CPAlignment.counts_here`)."""
+    return 1.0 if cp_gathered or context.cp_rank == 0 else 0.0
+
+
+def global_positions(local_length: int, context: ParallelContext, cp_gathered: bool,
                      device: Union[str, torch.device, None] = None) -> torch.Tensor:
     """Position in the whole sequence of each local position (Megatron's CP chunks ``i`` and ``2·cp−1−i``)."""
     positions = torch.arange(local_length, device=device)
-    if context.cp_size == 1 or complete:
+    if context.cp_size == 1 or cp_gathered:
         return positions
     if local_length % 2:
         raise ValueError(f"a context-parallel rank holds two equal chunks of each sequence, but the local "

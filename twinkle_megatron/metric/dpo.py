@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .base import Metric, Number, StateValues
-from .context_parallel import sum_over_context_parallel
-from .inputs import call_value, given, to_device
+from .base import Metric, Number, SyncedStates
+from .context_parallel import once_per_sequence, sum_over_context_parallel
+from .inputs import call_value, given, to_device, with_call_values
 from .sequences import SequenceBatch, as_rows, sequence_batches
 
 PAIR_LAYOUTS = ("interleaved", "halves")
@@ -103,8 +103,7 @@ class DPOMetric(Metric):
         ref_outputs = call_value("ref_outputs", kwargs, outputs)
         ref_logps = ref_outputs.get("logps") if ref_outputs is not None else None
         ref_logps = ref_logps if given(ref_logps) else call_value("ref_logps", kwargs, outputs)
-        source = {"logps": outputs["logps"], "ref_logps": ref_logps,
-                  "group_ids": call_value("group_ids", kwargs, outputs)}
+        source = with_call_values({"logps": outputs["logps"], "ref_logps": ref_logps}, kwargs, outputs, ("group_ids",))
         batches = sequence_batches(inputs, source, "logps", ("ref_logps",), {}, self.context, self.cp_gathered,
                                    "DPOMetric", extra=_reference_logps, group_ids=self.group_ids_of)
         for index, batch in enumerate(batches):  # all checks before any state changes
@@ -113,7 +112,7 @@ class DPOMetric(Metric):
                 raise ValueError(f"DPOMetric needs whole (chosen, rejected) pairs ({layout} layout), but "
                                  f"microbatch {index} holds {sequences} sequences (an odd number)")
         for batch in batches:
-            if batch.counted_here:
+            if batch.counts_here:
                 self._accumulate_microbatch(batch, layout)
 
     def _accumulate_microbatch(self, batch: SequenceBatch, layout: str) -> None:
@@ -139,10 +138,10 @@ class DPOMetric(Metric):
             margins = torch.zeros_like(chosen)
         # Sequence-level: complete each pair's counts and margin over CP before comparing.
         pair_tokens, full_margins, pair_nonfinite = sum_over_context_parallel(
-            torch.stack([pair_tokens, margins, pair_nonfinite], -1), self.context, batch.complete).unbind(-1)
+            torch.stack([pair_tokens, margins, pair_nonfinite], -1), self.context, batch.cp_gathered).unbind(-1)
         clean = pair_nonfinite == 0
         counted = (pair_tokens > 0) & clean
-        once = 1.0 if batch.complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each pair
+        once = once_per_sequence(self.context, batch.cp_gathered)  # CP ranks share each pair
         # A pair's group is its chosen sequence's (both sequences of a pair come from one dataset).
         groups = self._token_groups(batch.group_ids, mask, mask)
         if groups is not None:
@@ -165,10 +164,8 @@ class DPOMetric(Metric):
         add("margins", margins)
         self._add_tokens("correct_pairs", (counted & (full_margins > 0)) * once, groups)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
-        results: dict[str, Number] = {}
-        if states["nonfinite_pairs"] > 0:
-            results["nonfinite_pairs"] = int(states["nonfinite_pairs"])
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
+        results: dict[str, Number] = states.counts(("nonfinite_pairs",))
         pairs = states["pairs"]
         if pairs == 0:
             return results

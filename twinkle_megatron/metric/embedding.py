@@ -27,8 +27,9 @@ from typing import Any, ClassVar, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .inputs import call_value, given, microbatches, to_device
+from .resume import holds_loaded_sums
 
 
 class EmbeddingMetric(Metric):
@@ -170,7 +171,7 @@ class EmbeddingMetric(Metric):
         several = anchors > 1
         return float(torch.where(several, negative, 0.0).sum()), float((anchors * (anchors - 1)).sum())
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         if states["pos_count"] > 0:
             results["pos_sim"] = states["pos_sim_sum"] / states["pos_count"]
@@ -183,16 +184,14 @@ class EmbeddingMetric(Metric):
             results["loss"] = states["loss_sum"] / states["loss_weight"]
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
-        for name in ("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms"):
-            if states[name] > 0:
-                results[name] = int(states[name])
+        results.update(states.counts(("nonfinite_embeddings", "nonfinite_losses", "nonfinite_grad_norms")))
         return results
 
     def reset(self) -> None:
         super().reset()
         self._calls = []
 
-    def extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: SyncedStates) -> dict[str, Any]:
         """The per-call sums of all ranks (the state is layout-free)."""
         return {"calls": states.data_sized_sum}
 
@@ -205,4 +204,4 @@ class EmbeddingMetric(Metric):
             self._calls = []
             return
         calls = torch.as_tensor(calls, dtype=torch.float64).to(self._state_device())
-        self._calls = list(calls if self._is_primary() else torch.zeros_like(calls))
+        self._calls = list(calls if holds_loaded_sums(self) else torch.zeros_like(calls))

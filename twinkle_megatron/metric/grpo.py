@@ -46,12 +46,13 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .context_parallel import global_positions
-from .high_kl_records import RECORD_FIELDS, global_top_kl
-from .inputs import call_value, check_same_shape, given, to_device
+from .high_kl_records import HighKLRecords, global_top_kl, saved_state
+from .inputs import call_value, check_same_shape, given, to_device, with_call_values
 from .keywords import check_layout_declared
 from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
+from .resume import holds_loaded_sums
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
 
@@ -141,8 +142,7 @@ class GRPOMetric(Metric):
             self.add_state(name, "sum")
         self.add_state("token_kl_max", "max", grouped=True)
         self.add_state("token_ratio_max", "max", grouped=True)
-        self._top_kl: Optional[torch.Tensor] = None  # [k, len(RECORD_FIELDS)] float64, on the device
-        self._sequences_per_call: list[int] = []
+        self._high_kl = HighKLRecords(self.top_k_kl)
         self._warned_entropy = False
 
     # ------------------------------------------------------------ accumulate
@@ -158,22 +158,21 @@ class GRPOMetric(Metric):
                         "rollout_logps": call_value("rollout_logps", kwargs, outputs)}
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        group_ids = call_value("group_ids", kwargs, outputs)
-        source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
+        source = with_call_values(outputs, kwargs, outputs, ("group_ids",))
         batches = sequence_batches(inputs, source, "logps", ("entropies", "logits", "token_stats"),
                                    per_sequence, self.context,
                                    self.cp_gathered, type(self).__name__, extra=self._per_token_extras,
                                    group_ids=self.group_ids_of, ignore_index=self.ignore_index)
         for batch in batches:
             if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
-                global_positions(batch.tensors["logps"].shape[-1], self.context, batch.complete)
+                global_positions(batch.tensors["logps"].shape[-1], self.context, batch.cp_gathered)
             stats = batch.output.get("token_stats")
             if stats is not None and "entropies" not in batch.tensors:
                 check_same_shape("logps", batch.tensors["logps"], "token_stats", as_rows(stats.entropy))
         for batch in batches:
-            if batch.counted_here:
+            if batch.counts_here:
                 self._accumulate_microbatch(batch, vocab_size, layout)
-        self._sequences_per_call.append(sum(batch.sequence_count for batch in batches))
+        self._high_kl.end_call(sum(batch.sequence_count for batch in batches))
 
     @staticmethod
     def _per_token_extras(batch: Any, output: Any, labels: torch.Tensor) -> dict:
@@ -268,7 +267,8 @@ class GRPOMetric(Metric):
             self._add_tokens("clip_high", high, clip_groups)
             self._add_tokens("clip_total", total, clip_groups)
         if self.top_k_kl > 0:
-            self._keep_top_kl(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.complete)
+            positions = global_positions(kl.shape[-1], self.context, batch.cp_gathered, kl.device)
+            self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, positions)
 
     def _entropy(self, batch: SequenceBatch, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:
@@ -295,42 +295,12 @@ class GRPOMetric(Metric):
         high = valid & (ratio > 1 + self.epsilon_high) & (advantages > 0)
         return low, high, valid
 
-    # ------------------------------------------------------ top-K KL records
-
-    def _keep_top_kl(self, kl: torch.Tensor, ratio: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
-                     labels: torch.Tensor, valid: torch.Tensor, first_sequence: int, complete: bool) -> None:
-        """Merge this microbatch's highest-k3 tokens into the running top K (device ops only)."""
-        sequence_length = kl.shape[-1]
-        candidates = torch.where(valid, kl, torch.full_like(kl, float("-inf"))).reshape(-1)
-        k = min(self.top_k_kl, candidates.numel())
-        if k == 0:
-            return
-        top, index = candidates.topk(k)
-        rows, columns = index // sequence_length, index % sequence_length
-        positions = global_positions(sequence_length, self.context, complete, kl.device)
-        fields = torch.stack([
-            top, ratio.reshape(-1)[index], new.reshape(-1)[index], old.reshape(-1)[index],
-            labels.reshape(-1)[index].to(torch.float64), (rows + first_sequence).to(torch.float64),
-            positions[columns].to(torch.float64),
-            torch.full_like(top, float(len(self._sequences_per_call))),
-        ], dim=1)
-        merged = fields if self._top_kl is None else torch.cat([self._top_kl, fields.to(self._top_kl.device)])
-        keep = merged[:, 0].topk(min(self.top_k_kl, merged.shape[0])).indices
-        self._top_kl = merged[keep]
-
     def sync_records(self) -> Optional[list]:
-        if self.top_k_kl <= 0:
-            return None
-        dp_rank = self.context.dp_rank
-        records: list = [("sequences", call, dp_rank, count) for call, count in enumerate(self._sequences_per_call)]
-        if self._top_kl is not None:
-            rows = self._top_kl[self._top_kl[:, 0] > 0].tolist()  # calculate() time: host sync allowed
-            records += [("token", dp_rank, dict(zip(RECORD_FIELDS, row))) for row in rows]
-        return records
+        return self._high_kl.records(self.context.dp_rank) if self.top_k_kl > 0 else None
 
     # --------------------------------------------------------------- results
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Any] = mismatch_results(states)
         tokens = states["tokens"]
         if tokens > 0:
@@ -351,10 +321,7 @@ class GRPOMetric(Metric):
             results["train/clip_ratio_low"] = states["clip_low"] / clip_total
             results["train/clip_ratio_high"] = states["clip_high"] / clip_total
             results["train/clip_ratio"] = (states["clip_low"] + states["clip_high"]) / clip_total
-        if states["nonfinite_tokens"] > 0:
-            results["train/nonfinite_tokens"] = int(states["nonfinite_tokens"])
-        if states["misaligned_arrays"] > 0:
-            results["train/misaligned_arrays"] = int(states["misaligned_arrays"])
+        results.update(states.counts(("nonfinite_tokens", "misaligned_arrays"), prefix="train/"))
         if self.top_k_kl > 0 and tokens > 0:
             records = global_top_kl(states.records, self.top_k_kl)
             if records:
@@ -363,29 +330,16 @@ class GRPOMetric(Metric):
 
     def reset(self) -> None:
         super().reset()
-        self._top_kl = None
-        self._sequences_per_call = []
+        self._high_kl.reset()
 
-    def extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: SyncedStates) -> dict[str, Any]:
         """The global top-K tokens so far (sequence indices in the global batch) and the sequences seen."""
-        if self.top_k_kl <= 0:
-            return {}
-        sequences = sum({(r[1], r[2]): r[3] for r in states.records if r[0] == "sequences"}.values())
-        return {"top_kl": global_top_kl(states.records, self.top_k_kl), "sequences": sequences}
+        return saved_state(states.records, self.top_k_kl) if self.top_k_kl > 0 else {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue under any layout: the saved top-K and sequence count become one earlier call of
         the primary rank (see :meth:`Metric.load_state_dict`), so new sequences are numbered after them."""
         super().load_state_dict(state_dict)
-        self._top_kl, self._sequences_per_call = None, []
-        if self.top_k_kl <= 0 or "sequences" not in state_dict:
-            return
-        primary = self._is_primary()
-        self._sequences_per_call = [int(state_dict["sequences"]) if primary else 0]
-        records = state_dict["top_kl"] if primary else []
-        if records:
-            fields = {"kl": "kl", "ratio": "ratio", "logp_new": "logp_new", "logp_old": "logp_old",
-                      "token_id": "token_id", "sequence": "gsi", "position": "pos"}
-            rows = [[float(record[fields[name]]) if name in fields else 0.0 for name in RECORD_FIELDS]
-                    for record in records]
-            self._top_kl = torch.tensor(rows, dtype=torch.float64, device=self._state_device())
+        self._high_kl.reset()
+        if self.top_k_kl > 0 and "sequences" in state_dict:
+            self._high_kl.load(state_dict, holds_loaded_sums(self), self._state_device())

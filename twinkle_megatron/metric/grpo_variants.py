@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .context_parallel import sum_over_context_parallel
+from .context_parallel import once_per_sequence, sum_over_context_parallel
 from .grpo import GRPOMetric
 from .sequences import SequenceBatch
 
@@ -33,13 +33,13 @@ class GSPOMetric(GRPOMetric):
         weights = valid.to(torch.float64)
         partial = torch.stack([batch.sequence_sum(log_ratio * weights), batch.sequence_sum(weights),
                                batch.sequence_sum(advantages * weights)], -1)
-        complete = batch.complete
-        log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context, complete).unbind(-1)
+        log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context,
+                                                                         batch.cp_gathered).unbind(-1)
         ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1.0))
         counted = tokens > 0
         low = counted & (ratio < 1 - self.epsilon) & (advantage_sum < 0)
         high = counted & (ratio > 1 + self.epsilon_high) & (advantage_sum > 0)
-        once = 1.0 if complete or self.context.cp_rank == 0 else 0.0  # CP ranks share each sequence
+        once = once_per_sequence(self.context, batch.cp_gathered)  # CP ranks share each sequence
         return low * once, high * once, counted * once
 
 

@@ -97,6 +97,15 @@ def call_value(name: str, kwargs: Mapping[str, Any], outputs: Optional[Mapping[s
     return default
 
 
+def with_call_values(source: Mapping[str, Any], kwargs: Mapping[str, Any], outputs: Optional[Mapping[str, Any]],
+                     names: Sequence[str]) -> dict[str, Any]:
+    """``source`` (the outputs a metric splits per microbatch) plus each of ``names`` that has a per-call value
+    (:func:`call_value`: the keyword first, then ``outputs``), so that :func:`microbatches` pairs keyword values
+    with the microbatches like outputs (one value for the whole call, or one per microbatch)."""
+    found = {name: call_value(name, kwargs, outputs) for name in names}
+    return {**source, **{name: value for name, value in found.items() if value is not None}}
+
+
 def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequence[str]) -> list[MicroBatch]:
     """Pair inputs with the output ``keys`` present, one pair per microbatch.
 

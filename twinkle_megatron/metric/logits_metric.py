@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Optional
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .groups import TokenGroups
-from .inputs import call_value, microbatches
+from .inputs import call_value, microbatches, with_call_values
 from .keywords import check_layout_declared
 from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, microbatch_token_stats, shared_token_classes
 from .positions import positions_where_needed
@@ -52,24 +52,23 @@ class LogitsMetric(Metric):
             return
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        group_ids = call_value("group_ids", kwargs, outputs)
-        source = outputs if group_ids is None else {**outputs, "group_ids": group_ids}
+        source = with_call_values(outputs, kwargs, outputs, ("group_ids",))
         for batch, output in microbatches(inputs, source, ("logits", "token_stats", "group_ids")):
             if "logits" not in output and "token_stats" not in output:
                 continue
             check_layout_declared(self, output.get("logits"), batch.get("labels"), layout)
             aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
                                              self.cp_gathered, self.group_ids_of(batch, output))
-            if not aligned.counted_here:
+            if not aligned.counts_here:
                 continue
-            positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.complete,
+            positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.cp_gathered,
                                                      self.position_buckets)
             mask, classes = shared_token_classes(aligned, self.ignore_index, real)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
             yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask, positions)
 
-    def _token_problems(self, states: StateValues) -> dict[str, Number]:
+    def _token_problems(self, states: SyncedStates) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""
         invalid = int(states["invalid_labels"])
         if invalid and self.strict:

@@ -20,7 +20,7 @@ import torch
 
 from ..ops import TokenStats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
-from .context_parallel import align_to_cp_rank, local_sequence_length
+from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
 from .inputs import to_device, token_mask
 
 LAYOUTS = ("bsv", "sbv")
@@ -92,9 +92,9 @@ class TokenBatch(NamedTuple):
     labels: torch.Tensor
     completion_mask: Optional[torch.Tensor]
     stats: TokenStats
-    counted_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
+    counts_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
     group_ids: Any = None  # the microbatch's group ids, per token ones matched under CP like the labels
-    complete: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
+    cp_gathered: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
 
 
 def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
@@ -128,24 +128,20 @@ def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], 
                              f"{tuple(stats.argmax.shape)}")
         return TokenBatch(labels, completion_mask, stats, True, group_ids, bool(cp_gathered))
     logits = output["logits"]
-    tensors = {"logits": (logits, logits_sequence_dim(logits, labels, layout)), "labels": (labels, labels.dim() - 1)}
-    if completion_mask is not None:
-        tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
-    per_token_ids = isinstance(group_ids, torch.Tensor) and group_ids.dim() == labels.dim() and labels.dim() > 1
-    if per_token_ids:
-        tensors["group_ids"] = (group_ids, group_ids.dim() - 1)
+    tensors = per_token_tensors(labels, completion_mask, group_ids,
+                                first={"logits": (logits, logits_sequence_dim(logits, labels, layout))})
     if logits.dim() == 2 and len({t.shape[d] for t, d in tensors.values()}) > 1:
         raise ValueError(f"packed logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ in length: "
                          "under context parallelism packed sequences are split per sequence, so pass the labels "
                          "of this rank's chunks")
     aligned = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
+    group_ids = aligned_group_ids(aligned, group_ids)
     labels, completion_mask = aligned.tensors["labels"], aligned.tensors.get("completion_mask")
-    group_ids = aligned.tensors["group_ids"] if per_token_ids else group_ids
-    if not aligned.counted_here(context):
-        return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.complete)
+    if not aligned.counts_here(context):
+        return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.cp_gathered)
     stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
                                cache_key=id(logits))
-    return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.complete)
+    return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.cp_gathered)
 
 
 def logits_sequence_dim(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str]) -> int:

@@ -6,9 +6,9 @@ from typing import Any, Optional
 
 import torch
 
-from .base import Metric, Number, StateValues
-from .context_parallel import align_to_cp_rank, local_sequence_length
-from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask
+from .base import Metric, Number, SyncedStates
+from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
+from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask, with_call_values
 from .positions import positions_where_needed
 
 _REDUCTIONS = ("mean", "sum")
@@ -90,13 +90,9 @@ class LossMetric(Metric):
         if loss is None:
             return
         reduction = _check_reduction(call_value("loss_reduction", kwargs, outputs, self.loss_reduction))
-        num_tokens = call_value("num_tokens", kwargs, outputs)
-        group_ids = call_value("group_ids", kwargs, outputs)
+        given = with_call_values({"loss": loss}, kwargs, outputs, ("num_tokens", "group_ids"))
         sliced = self.group_names or self.position_buckets is not None
         token_losses = outputs.get("token_losses") if sliced and hasattr(outputs, "get") else None
-        given = {"loss": loss}
-        given.update({} if num_tokens is None else {"num_tokens": num_tokens})
-        given.update({} if group_ids is None else {"group_ids": group_ids})
         given.update({} if token_losses is None else {"token_losses": token_losses})
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
             loss = self._as_state("loss_sum", output["loss"])
@@ -146,19 +142,15 @@ class LossMetric(Metric):
         labels = batch.get("labels")
         if labels is None:
             raise ValueError("per-token losses need inputs['labels'] to mask them")
-        tensors = {"loss": (loss, loss.dim() - 1), "labels": (labels, labels.dim() - 1)}
-        if batch.get("completion_mask") is not None:
-            tensors["completion_mask"] = (batch["completion_mask"], batch["completion_mask"].dim() - 1)
-        per_token_ids = isinstance(ids, torch.Tensor) and ids.dim() == labels.dim() and labels.dim() > 1
-        if per_token_ids:
-            tensors["group_ids"] = (ids, ids.dim() - 1)
+        tensors = per_token_tensors(labels, batch.get("completion_mask"), ids, first={"loss": (loss, loss.dim() - 1)})
         aligned = align_to_cp_rank(tensors, self.context, self.cp_gathered, local_sequence_length(batch))
+        ids = aligned_group_ids(aligned, ids)
         loss, labels = aligned.tensors["loss"], aligned.tensors["labels"]
-        ids = aligned.tensors["group_ids"] if per_token_ids else ids
         check_same_shape("loss", loss, "labels", labels)
-        if not aligned.counted_here(self.context):
+        if not aligned.counts_here(self.context):
             return loss, None, None, ids, None
-        positions, real = positions_where_needed(batch, labels, self.context, aligned.complete, self.position_buckets)
+        positions, real = positions_where_needed(batch, labels, self.context, aligned.cp_gathered,
+                                                 self.position_buckets)
         mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index, real),
                          loss.device)
         valid = mask & torch.isfinite(loss)
@@ -173,20 +165,18 @@ class LossMetric(Metric):
         return count_tokens(batch, self.ignore_index)
 
     @staticmethod
-    def pooled_loss(states: StateValues) -> Optional[float]:
+    def pooled_loss(states: SyncedStates) -> Optional[float]:
         """Σ loss_sum / Σ weight over the synced states, or None without counted tokens or values."""
         return states["loss_sum"] / states["weight"] if states["weight"] > 0 else None
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         loss = self.pooled_loss(states)
         if loss is not None:
             results["loss"] = loss
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
-        for name in ("nonfinite_losses", "nonfinite_grad_norms"):
-            if states[name] > 0:
-                results[name] = int(states[name])
+        results.update(states.counts(("nonfinite_losses", "nonfinite_grad_norms")))
         return results
 
 

@@ -74,14 +74,14 @@ def _cu_seqlens_of(batch: Any) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def packed_sequences(cu_seqlens: tuple[torch.Tensor, torch.Tensor], local_length: int, context: ParallelContext,
-                     complete: bool, device: torch.device) -> PackedSequences:
+                     cp_gathered: bool, device: torch.device) -> PackedSequences:
     """Each of ``local_length`` local tokens of a packed row: sequence, position, realness (see the module).
 
-    ``complete``: the row holds whole sequences (no CP split, or data gathered
+    ``cp_gathered``: the row holds whole sequences (no CP split, or data gathered
     over CP); else this CP rank's pieces of them.
     """
     real_cu, padded_cu = (to_device(c, device).to(torch.int64) for c in cu_seqlens)
-    cp, rank = (1, 0) if complete else (context.cp_size, context.cp_rank)
+    cp, rank = (1, 0) if cp_gathered else (context.cp_size, context.cp_rank)
     padded_lengths = padded_cu[1:] - padded_cu[:-1]
     real_lengths = real_cu[1:] - real_cu[:-1]
     local_lengths = padded_lengths // cp

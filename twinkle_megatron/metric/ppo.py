@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .inputs import call_value, given
 from .sequences import SequenceBatch, sequence_batches, token_values
 
@@ -81,7 +81,7 @@ class PPOValueMetric(Metric):
             return
         for batch in sequence_batches(inputs, outputs, "values", (), per_sequence, self.context, self.cp_gathered,
                                       "PPOValueMetric", ignore_index=self.ignore_index):
-            if batch.counted_here:
+            if batch.counts_here:
                 self._accumulate_microbatch(batch)
 
     def _accumulate_microbatch(self, batch: SequenceBatch) -> None:
@@ -118,11 +118,8 @@ class PPOValueMetric(Metric):
             self._add("advantage_sum", total(advantages))
             self._add("advantage_square_sum", total(advantages * advantages))
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
-        results: dict[str, Number] = {}
-        for name in ("nonfinite_tokens", "misaligned_arrays"):
-            if states[name] > 0:
-                results[f"train/{name}"] = int(states[name])
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
+        results: dict[str, Number] = states.counts(("nonfinite_tokens", "misaligned_arrays"), prefix="train/")
         tokens = states["tokens"]
         if tokens == 0:
             return results

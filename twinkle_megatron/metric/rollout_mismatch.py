@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 
 MISMATCH_SUMS = ("rollout_tokens", "rollout_mult_error_sum", "rollout_kl_sum", "rollout_over_threshold")
 MISMATCH_MAX = "rollout_abs_diff_max"
@@ -65,7 +65,7 @@ def mismatch_terms(train: torch.Tensor, rollout: torch.Tensor, valid: torch.Tens
     return sums, torch.where(valid, magnitude, float("-inf"))
 
 
-def mismatch_results(states: StateValues) -> dict[str, Number]:
+def mismatch_results(states: SyncedStates) -> dict[str, Number]:
     """The four keys when any token had a rollout log-prob; else nothing."""
     tokens = states["rollout_tokens"]
     if not tokens > 0:

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .inputs import given
 
 _COLUMNS = 6  # score, loss sum, tokens, dataset_id, sample_index, step
@@ -114,7 +114,7 @@ class SampleLosses(Metric):
             rows = rows[torch.topk(rows[:, 0], self.top_k).indices]
         self._interval = rows
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         return {}
 
     def reset(self) -> None:

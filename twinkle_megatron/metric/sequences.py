@@ -21,8 +21,10 @@ from ..parallel import ParallelContext
 from .context_parallel import (
     SequenceTensors,
     align_to_cp_rank,
+    aligned_group_ids,
     global_positions,
     local_sequence_length,
+    per_token_tensors,
     this_rank_chunks,
 )
 from .inputs import check_same_shape, microbatches, to_device, token_mask
@@ -150,8 +152,8 @@ class SequenceBatch(NamedTuple):
     output: Mapping[str, Any]
     per_sequence: dict[str, Any]  # this microbatch's entries of each per-call per-sequence value
     first_sequence: int  # index of its first sequence among the call's sequences
-    complete: bool  # whole sequences on every CP rank (see CPAlignment)
-    counted_here: bool
+    cp_gathered: bool  # whole sequences on every CP rank (see CPAlignment)
+    counts_here: bool
     group_ids: Any = None  # per sample, or per token (then matched under CP with the rest)
     # Sequences whose ragged array was matched to whole gathered labels before the cut to this CP rank's
     # chunks (see sequence_batches) and did not have one value per counted token: counted on CP rank 0.
@@ -182,7 +184,7 @@ class SequenceBatch(NamedTuple):
         labels = self.tensors["labels"]
         if self.packed is not None:
             return self.packed.positions.reshape(labels.shape)
-        return global_positions(labels.shape[-1], context, self.complete, labels.device)
+        return global_positions(labels.shape[-1], context, self.cp_gathered, labels.device)
 
 
 ExtraTensors = Callable[[Mapping[str, Any], Mapping[str, Any], torch.Tensor], SequenceTensors]
@@ -218,20 +220,16 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
         if cu_seqlens is not None and labels.shape[0] != 1:
             raise ValueError(f"{metric}: a packed microbatch (cu_seqlens) holds one row of tokens, but its labels "
                              f"have shape {tuple(labels.shape)}")
-        tensors: SequenceTensors = {anchor: (as_rows(output[anchor]), 1), "labels": (labels, 1)}
-        if batch.get("completion_mask") is not None:
-            tensors["completion_mask"] = (as_rows(batch["completion_mask"]), 1)
-        if extra is not None:
-            tensors.update(extra(batch, output, labels))
         ids = group_ids(batch, output) if group_ids is not None else None
         if ids is not None and cu_seqlens is not None:
             raise ValueError(f"{metric}: group ids of packed sub-sequences are not supported (one group per packed "
                              "row would be applied to all of its sequences); pass unpacked rows for per-group keys")
-        per_token_ids = isinstance(ids, torch.Tensor) and ids.dim() == 2
-        if per_token_ids:
-            tensors["group_ids"] = (ids, 1)
+        mask = batch.get("completion_mask")
+        tensors = per_token_tensors(labels, None if mask is None else as_rows(mask), ids,
+                                    first={anchor: (as_rows(output[anchor]), 1)},
+                                    more=extra(batch, output, labels) if extra is not None else None)
         cp = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
-        ids_of.append(cp.tensors.pop("group_ids") if per_token_ids else ids)
+        ids_of.append(aligned_group_ids(cp, ids))
         whole_labels.append(labels if labels.shape[-1] != cp.tensors["labels"].shape[-1] else None)
         labels = cp.tensors["labels"]
         for name, tensor in cp.tensors.items():
@@ -242,10 +240,10 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
             raise ValueError(f"{metric}: a packed microbatch's per-token tensors must all be this CP rank's pieces "
                              "of its sequences or all whole (gathered over CP); some are each")
         packed_of.append(None if cu_seqlens is None else packed_sequences(
-            cu_seqlens, labels.shape[-1], context, cp.complete, cp.tensors[anchor].device))
+            cu_seqlens, labels.shape[-1], context, cp.cp_gathered, cp.tensors[anchor].device))
     shapes = [tuple(cp.tensors[anchor].shape) for cp in aligned]
     # Ragged arrays can be laid onto whole sequences: labels that are whole here, or were before the cut.
-    whole_sequences = all(cp.complete or whole is not None for cp, whole in zip(aligned, whole_labels))
+    whole_sequences = all(cp.cp_gathered or whole is not None for cp, whole in zip(aligned, whole_labels))
     pieces = {name: split_per_microbatch(values, name, shapes, whole_sequences)
               for name, values in per_sequence.items()}
     misaligned: list[Any] = [0.0] * len(aligned)
@@ -261,7 +259,7 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     batches, first_sequence = [], 0
     for index, ((_, output), cp) in enumerate(zip(pairs, aligned)):
         batches.append(SequenceBatch(cp.tensors, output, {name: piece[index] for name, piece in pieces.items()},
-                                     first_sequence, cp.complete, cp.counted_here(context), ids_of[index],
+                                     first_sequence, cp.cp_gathered, cp.counts_here(context), ids_of[index],
                                      misaligned[index], packed_of[index]))
         first_sequence += batches[-1].sequence_count
     return batches

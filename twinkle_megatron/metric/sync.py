@@ -83,6 +83,11 @@ class SyncedStates(dict):
         self.records: list = list(records or [])
         self.data_sized_sum = data_sized_sum  # [rows, cols] summed over the ranks with data; None: no rank had any
 
+    def counts(self, names: Sequence[str], prefix: str = "") -> dict[str, int]:
+        """The count states ``names`` that are above 0, as ints under ``prefix + name``: the report of values left
+        out of the statistics (non-finite ones, misaligned arrays), present only when something was left out."""
+        return {prefix + name: int(self[name]) for name in names if self[name] > 0}
+
 
 def syncs_declared_states(calculate: Callable) -> Callable:
     """Mark a ``calculate`` as the protocol's own: metrics that keep it are synced by :func:`sync`."""

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .base import Metric, Number, StateValues
+from .base import Metric, Number, SyncedStates
 from .inputs import call_value
 
 
@@ -90,7 +90,7 @@ class TrainMetric(Metric):
             self._assign("iters", step // accumulation)
             self._assign("interval_iters", (step - self.interval_start_step) / accumulation)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         rates = [float(rate) for rate in states["learning_rates"] if rate != float("-inf")]
         if len(rates) == 1:
@@ -111,7 +111,7 @@ class TrainMetric(Metric):
         if self.step is not None:
             self.interval_start_step = int(self.step)
 
-    def extra_state(self, states: StateValues) -> dict[str, Any]:
+    def extra_state(self, states: SyncedStates) -> dict[str, Any]:
         return {"step": None if self.step is None else int(self.step),
                 "gradient_accumulation_steps": int(self.gradient_accumulation_steps),
                 # The time reduced in the sync (max over ranks): the same on every rank.

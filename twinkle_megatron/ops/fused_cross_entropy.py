@@ -80,7 +80,8 @@ from .shard import (
     restore_layout,
     token_order,
 )
-from .token_stats import TokenStats, first_max_column
+from .token_stats import TokenStats
+from .torch_local_pass import first_max_column
 
 __all__ = ["LossAndStats", "vocab_parallel_cross_entropy_with_stats"]
 

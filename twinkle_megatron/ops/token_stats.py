@@ -75,6 +75,10 @@ Edge cases:
   uses each shard's own float64 maximum.
 
 The logits are read, never written. Nothing here synchronises with the host.
+
+Each step is a named function, in order: :func:`check_token_stats_inputs`, :func:`calculate_local_pass`,
+:func:`calculate_global_max` (collective 1), :func:`calculate_global_sums` (rescale, collective 2),
+:func:`calculate_entropy` and :func:`calculate_label_logprobs` (the epilogue).
 """
 
 from __future__ import annotations
@@ -85,18 +89,8 @@ import torch
 import torch.distributed as dist
 
 from .kernel_select import choose_kernel, triton_local_pass
-from .shard import (
-    Shard,
-    as_token_rows,
-    block_width,
-    compute_dtype,
-    decode_key,
-    default_chunk_size,
-    encode_key,
-    key_floor,
-    restore_layout,
-    token_order,
-)
+from .shard import Shard, as_token_rows, compute_dtype, decode_key, encode_key, key_floor, restore_layout, token_order
+from .torch_local_pass import torch_local_pass
 
 __all__ = ["TokenStats", "vocab_parallel_argmax", "vocab_parallel_entropy", "vocab_parallel_logprobs",
            "vocab_parallel_token_stats"]
@@ -213,185 +207,122 @@ def vocab_parallel_entropy(logits: torch.Tensor, group: Optional[dist.ProcessGro
 def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Optional[dist.ProcessGroup],
                  vocab_size: Optional[int], chunk_size: Optional[int], ignore_index: int,
                  need_sums: bool, kernel: Optional[str] = None) -> TokenStats:
+    """The whole computation as named steps (module docstring): local pass, collective 1, rescale and
+    collective 2, epilogue. ``need_sums=False``: the argmax only (the local pass without sums, collective 1)."""
+    check_token_stats_inputs(logits, labels, chunk_size)
+    lead_shape, cdtype = logits.shape[:-1], compute_dtype(logits.dtype)
+    shard = Shard(logits.shape[-1], group, vocab_size)
+    rows, order = as_token_rows(logits)
+    if rows.shape[0] == 0:  # a shape: every rank skips the collectives together
+        return empty_token_stats(lead_shape, cdtype, logits.device, labels is not None, need_sums)
+    flat_labels = None if labels is None else token_order(labels, order).to(device=logits.device, dtype=torch.int64)
+    local = calculate_local_pass(rows, shard, flat_labels, cdtype, chunk_size, need_sums, kernel)
+    global_max, argmax = calculate_global_max(local.keys, shard)  # collective 1
+    argmax = restore_layout(argmax, lead_shape, order)
+    if not need_sums:
+        return TokenStats(argmax, None, None)
+    global_max = global_max.to(cdtype)
+    stats = calculate_global_sums(local, global_max, shard)  # rescale, collective 2
+    log_z = torch.log(stats[0])
+    entropy = calculate_entropy(stats, log_z)
+    logprobs = None
+    if flat_labels is not None:
+        logprobs = calculate_label_logprobs(stats, global_max, log_z, entropy, flat_labels, shard.vocab_size,
+                                            ignore_index)
+        logprobs = restore_layout(logprobs, lead_shape, order)
+    return TokenStats(argmax, logprobs, restore_layout(entropy, lead_shape, order))
+
+
+def check_token_stats_inputs(logits: torch.Tensor, labels: Optional[torch.Tensor], chunk_size: Optional[int]) -> None:
+    """Types and shapes only (never values: no host sync): a clear error naming both tensors."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dimension (the vocabulary)")
-    lead_shape = logits.shape[:-1]
     if labels is not None:
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a torch.Tensor or None, got {type(labels).__name__}")
-        if labels.shape != lead_shape:
+        if labels.shape != logits.shape[:-1]:
             raise ValueError(f"labels has shape {tuple(labels.shape)} but logits has shape "
-                             f"{tuple(logits.shape)} (expected labels of shape {tuple(lead_shape)})")
+                             f"{tuple(logits.shape)} (expected labels of shape {tuple(logits.shape[:-1])})")
         if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    cdtype = compute_dtype(logits.dtype)
-    shard = Shard(logits.shape[-1], group, vocab_size)
-    device = logits.device
 
-    rows, order = as_token_rows(logits)
-    n_tokens = rows.shape[0]
-    if n_tokens == 0:  # a shape: every rank skips the collectives together
-        empty = torch.empty(lead_shape, dtype=cdtype, device=device)
-        return TokenStats(torch.empty(lead_shape, dtype=torch.int64, device=device),
-                          empty.clone() if labels is not None else None,
-                          empty if need_sums else None)
 
-    n_valid = shard.n_valid
-    flat_labels = None
-    if labels is not None:
-        flat_labels = token_order(labels, order).to(device=device, dtype=torch.int64)
-    # stats rows: S0 = sum e^{x-m}, S1 = sum e^{x-m}(x-m), the label's logit (0 off its owner).
+def empty_token_stats(lead_shape: torch.Size, cdtype: torch.dtype, device: torch.device, with_labels: bool,
+                      need_sums: bool) -> TokenStats:
+    """The statistics of no token: empty tensors of the right shapes and dtypes, no collective."""
+    empty = torch.empty(lead_shape, dtype=cdtype, device=device)
+    return TokenStats(torch.empty(lead_shape, dtype=torch.int64, device=device),
+                      empty.clone() if with_labels else None, empty if need_sums else None)
+
+
+class LocalPass(NamedTuple):
+    """This rank's part of every token: its maximum ``m_r`` (None on a rank of padding columns only), the
+    int64 keys packing ``m_r`` and its global column (:mod:`.shard`), and ``stats [3, T]`` (S0, S1 relative
+    to ``m_r``, the label's logit or 0 off its owner; None without sums)."""
+
+    max: Optional[torch.Tensor]
+    keys: torch.Tensor
+    stats: Optional[torch.Tensor]
+
+
+def calculate_local_pass(rows: torch.Tensor, shard: Shard, flat_labels: Optional[torch.Tensor], cdtype: torch.dtype,
+                         chunk_size: Optional[int], need_sums: bool, kernel: Optional[str]) -> LocalPass:
+    """The local pass over this rank's real columns, by the implementation :func:`.choose_kernel` picks
+    (the torch loop or the Triton kernel: same outputs, same contract)."""
+    n_tokens, device = rows.shape[0], rows.device
     stats = torch.zeros(3, n_tokens, dtype=cdtype, device=device) if need_sums else None
-    if n_valid > 0:
-        # The local pass, by either implementation (same outputs, same contract).
-        local_labels = flat_labels - shard.start if flat_labels is not None and need_sums else None
-        if choose_kernel(kernel, rows) == "triton":
-            local_max, local_col = triton_local_pass()(rows, n_valid, local_labels, stats, need_sums)
-        else:
-            local_max, local_col = torch_local_pass(rows, n_valid, local_labels, stats, cdtype, chunk_size,
-                                                     need_sums)
-        keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
-        local_max = local_max.to(cdtype)
-    else:  # this rank holds only padding columns
-        local_max = None
-        keys = torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device)
+    if shard.n_valid == 0:  # this rank holds only padding columns
+        return LocalPass(None, torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device), stats)
+    local_labels = flat_labels - shard.start if flat_labels is not None and need_sums else None
+    if choose_kernel(kernel, rows) == "triton":
+        local_max, local_col = triton_local_pass()(rows, shard.n_valid, local_labels, stats, need_sums)
+    else:
+        local_max, local_col = torch_local_pass(rows, shard.n_valid, local_labels, stats, cdtype, chunk_size,
+                                                need_sums)
+    keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
+    return LocalPass(local_max.to(cdtype), keys, stats)
 
-    # Collective 1: global max and argmax (lowest global column on ties).
+
+def calculate_global_max(keys: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collective 1: all-reduce MAX of the keys; the global maximum ``m`` and argmax (lowest column on ties)."""
     if shard.group is not None:
         dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=shard.group)
-    global_max, argmax = decode_key(keys, shard.vocab_size)
-    argmax = restore_layout(argmax, lead_shape, order)
-    if not need_sums:
-        return TokenStats(argmax, None, None)
+    return decode_key(keys, shard.vocab_size)
 
-    global_max = global_max.to(cdtype)
-    if local_max is not None:  # (delta == 0 without a group, except for float64's float32 key)
-        delta = local_max - global_max
+
+def calculate_global_sums(local: LocalPass, global_max: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Rescale this rank's sums to the global maximum (``δ = m_r − m``), then collective 2: all-reduce SUM
+    of the packed ``[3, T]`` buffer, giving ``Z``, ``Σ e^{x−m}(x−m)`` and the label's logit."""
+    stats = local.stats
+    if local.max is not None:  # (delta == 0 without a group, except for float64's float32 key)
+        delta = local.max - global_max
         scale = torch.exp(delta)
         s0, s1 = stats[0], stats[1]
         s1.addcmul_(delta, s0).mul_(scale)
         s0.mul_(scale)
-    # Collective 2: the packed partial sums, already relative to the global max.
     if shard.group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard.group)
-
-    log_z = torch.log(stats[0])
-    entropy = log_z - stats[1] / stats[0]
-    logprobs = None
-    if flat_labels is not None:
-        nan = torch.full((), float("nan"), dtype=cdtype, device=device)
-        logprobs = stats[2] - global_max - log_z
-        valid = (flat_labels >= 0) & (flat_labels < shard.vocab_size) & torch.isfinite(entropy)
-        logprobs = torch.where(valid, logprobs, nan)
-        logprobs = torch.where(flat_labels == ignore_index, torch.zeros((), dtype=cdtype, device=device),
-                               logprobs)
-        logprobs = restore_layout(logprobs, lead_shape, order)
-    return TokenStats(argmax, logprobs, restore_layout(entropy, lead_shape, order))
+    return stats
 
 
-def torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[torch.Tensor],
-                      stats: Optional[torch.Tensor], cdtype: torch.dtype, chunk_size: Optional[int],
-                      need_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The local pass in torch over the real columns ``rows[:, :n_valid]``.
-
-    Returns the per-token local maximum (``cdtype``) and its first local column
-    (int64); with ``need_sums`` fills ``stats[0]`` (S0), ``stats[1]`` (S1) and,
-    given ``local_labels`` (label − shard start), ``stats[2]``: the label's
-    logit where ``0 <= local_label < n_valid``, else 0. The Triton kernel
-    (:func:`.triton_token_stats.triton_local_pass`) has the same contract.
-    """
-    local_max, local_col = _local_pass(rows[:, :n_valid], stats, cdtype, chunk_size, need_sums)
-    if local_labels is not None:
-        owned = (local_labels >= 0) & (local_labels < n_valid)
-        picked = rows.gather(1, local_labels.clamp(0, n_valid - 1).unsqueeze(1)).squeeze(1)
-        torch.where(owned, picked.to(cdtype), torch.zeros((), dtype=cdtype, device=rows.device), out=stats[2])
-    return local_max, local_col
+def calculate_entropy(stats: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+    """``H = log Z − S1 / Z`` (two non-negative terms: no cancellation); NaN for a non-finite logit."""
+    return log_z - stats[1] / stats[0]
 
 
-def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch.dtype,
-                chunk_size: Optional[int], need_sums: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One read of ``rows [T, n]``: per-token local max and its first column; fills ``stats[0:2]``.
-
-    Per chunk of ``chunk_size`` tokens (``x`` upcast to fp32 first for bf16/fp16):
-    block maxima and the row maximum ``m`` (``amax``), ``d = x - m``,
-    ``e = exp(d)``, ``d *= e``, and one sum over ``[e, d]`` for ``(S0, S1)``; the
-    two ``[chunk, n]`` buffers are reused by every chunk.
-
-    The argmax is found in two levels because ``torch.max(dim)`` with indices is
-    about five times slower than the vectorised ``amax`` on CPU: the chunk loop
-    keeps the maximum of every block of ``width`` columns (a ``[T, n/width]``
-    side table), then the first block holding the row maximum is searched column
-    by column, a few hundred columns per token.
-    """
-    n_tokens, n_cols = rows.shape
-    device = rows.device
-    if chunk_size is None:
-        chunk_size = default_chunk_size(device, n_cols)
-    chunk_size = min(chunk_size, n_tokens)
-    width = block_width(n_cols)
-    n_full = n_cols // width if width else 0
-    has_tail = bool(width) and n_full * width < n_cols
-    # bf16/fp16 chunks are upcast once into a buffer; argmax-only needs no upcast at all.
-    cast = need_sums and rows.dtype != cdtype
-    table_dtype = cdtype if cast else rows.dtype
-    if width:
-        block_max = torch.empty(n_tokens, n_full + has_tail, dtype=table_dtype, device=device)
-    local_max = torch.empty(n_tokens, dtype=table_dtype, device=device)
-    if need_sums:
-        # [0]: e^{x-m}, [1]: x-m then e^{x-m}(x-m); one sum over both gives (S0, S1).
-        work = torch.empty(2, chunk_size, n_cols, dtype=cdtype, device=device)
-
-    for start in range(0, n_tokens, chunk_size):
-        stop = min(start + chunk_size, n_tokens)
-        n = stop - start
-        x = rows[start:stop]
-        if cast:
-            x = work[1, :n].copy_(x)
-        m = local_max[start:stop]
-        if width:
-            table = block_max[start:stop]
-            torch.amax(x[:, :n_full * width].unflatten(-1, (n_full, width)), dim=-1, out=table[:, :n_full])
-            if has_tail:
-                torch.amax(x[:, n_full * width:], dim=-1, keepdim=True, out=table[:, n_full:])
-            torch.amax(table, dim=-1, out=m)
-        else:
-            torch.amax(x, dim=-1, out=m)
-        if not need_sums:
-            continue
-        shifted = work[1, :n]
-        if cast:
-            shifted.sub_(m.unsqueeze(1))  # in place on the upcast copy
-        else:
-            torch.sub(x, m.unsqueeze(1), out=shifted)
-        shifted.mul_(torch.exp(shifted, out=work[0, :n]))
-        torch.sum(work[:, :n], dim=-1, out=stats[:2, start:stop])
-
-    if need_sums:
-        del work
-    columns = first_max_column(rows, block_max if width else None, width, chunk_size)
-    return local_max.to(cdtype), columns
-
-
-def first_max_column(rows: torch.Tensor, block_max: Optional[torch.Tensor], width: int,
-                      chunk_size: int) -> torch.Tensor:
-    """First column of each row's maximum (NaN counts as the largest value, like ``torch.argmax``)."""
-    n_tokens, n_cols = rows.shape
-    if block_max is None:
-        return rows.argmax(dim=-1)
-    block = block_max.argmax(dim=-1)  # first block holding the maximum
-    offsets = torch.arange(width, device=rows.device)
-    columns = torch.empty(n_tokens, dtype=torch.int64, device=rows.device)
-    # Bound the [tokens, width] index/candidate temporaries like the main pass.
-    step = max(1, (chunk_size * n_cols) // (3 * width))
-    for start in range(0, n_tokens, step):
-        stop = min(start + step, n_tokens)
-        cols = (block[start:stop] * width).unsqueeze(1) + offsets
-        cols.clamp_(max=n_cols - 1)  # a short tail block repeats its last column; first hit wins
-        first = rows[start:stop].gather(1, cols).argmax(dim=-1, keepdim=True)
-        torch.gather(cols, 1, first, out=columns[start:stop].unsqueeze(1))
-    return columns
+def calculate_label_logprobs(stats: torch.Tensor, global_max: torch.Tensor, log_z: torch.Tensor,
+                             entropy: torch.Tensor, flat_labels: torch.Tensor, vocab_size: int,
+                             ignore_index: int) -> torch.Tensor:
+    """``log p(y) = x_y − m − log Z``; NaN for a label outside ``[0, V)`` or a token whose entropy is not
+    finite, 0 for ``ignore_index`` (which wins)."""
+    cdtype, device = stats.dtype, stats.device
+    nan = torch.full((), float("nan"), dtype=cdtype, device=device)
+    logprobs = stats[2] - global_max - log_z
+    valid = (flat_labels >= 0) & (flat_labels < vocab_size) & torch.isfinite(entropy)
+    logprobs = torch.where(valid, logprobs, nan)
+    return torch.where(flat_labels == ignore_index, torch.zeros((), dtype=cdtype, device=device), logprobs)

@@ -2,7 +2,7 @@ r"""The local pass of :func:`~.token_stats.vocab_parallel_token_stats` as one fu
 
 One program per token row of the local shard ``rows [T, V_l]`` reads the row
 once, in blocks of ``BLOCK`` columns (bf16/fp16/fp32 loaded, fp32 arithmetic),
-and writes what the torch loop of :func:`~.token_stats.torch_local_pass`
+and writes what the torch loop of :func:`~.torch_local_pass.torch_local_pass`
 writes: the local maximum :math:`m_r`, its first column, and
 
 .. math::

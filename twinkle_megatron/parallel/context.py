@@ -5,14 +5,14 @@ and data-parallel (DP) groups of this rank, its rank and size in each, whether i
 is on the last pipeline stage, and the *reduction group*: every rank that calls
 ``calculate()`` together. Metric states are reduced over the reduction group in
 one pass; ranks that hold no data, or only a duplicate of another rank's data,
-contribute identity values (see :meth:`ParallelContext.holds_data`).
+contribute identity values (see :meth:`ParallelContext.counts_here`).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -48,7 +48,7 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ queries
 
-    def holds_data(self, cp_gathered: bool = False) -> bool:
+    def counts_here(self, cp_gathered: bool = False) -> bool:
         """Whether this rank's metric states count in the global reduction.
 
         Only the last pipeline stage sees outputs; TP ranks hold identical
@@ -65,6 +65,11 @@ class ParallelContext:
         if not self.distributed:
             return 1
         return dist.get_world_size(self.reduce_group)
+
+    def without_tp(self) -> ParallelContext:
+        """This layout with every tensor-parallel rank holding the whole of the data (e.g. the whole
+        vocabulary after an output layer gathered its output): no TP group, TP size 1."""
+        return replace(self, tp_group=None, tp_size=1)
 
     def communication_device(self) -> torch.device:
         """The device collectives on ``reduce_group`` need (CUDA for NCCL, else CPU)."""

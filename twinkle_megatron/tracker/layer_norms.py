@@ -38,7 +38,7 @@ import torch
 
 from .. import keys
 from ..megatron.layer_grads import LayerParameters, loss_scale
-from ..metric.base import Metric, Number, StateValues
+from ..metric.base import Metric, Number, SyncedStates
 
 
 class LayerNorms(Metric):
@@ -88,7 +88,7 @@ class LayerNorms(Metric):
             index = index[torch.tensor([i for i, _ in present], dtype=torch.long, device=device)]
         return slots.index_add_(0, index, squares)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         if not states["recorded"] > 0:
             return {}
         results: dict[str, Number] = {}

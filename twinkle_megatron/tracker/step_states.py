@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .. import keys
-from ..metric.base import Metric, Number, StateValues
+from ..metric.base import Metric, Number, SyncedStates
 from ..metric.loss import LossMetric
 from .memory import read_device_memory
 
@@ -43,7 +43,7 @@ class StepLoss(LossMetric):
     :class:`RankStates`). Nothing else: the grad norm is :class:`RankStates`'.
     """
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         loss = self.pooled_loss(states)
         return {keys.LOSS: loss} if loss is not None else {}
 
@@ -100,7 +100,7 @@ class RankStates(Metric):
             for field in MEMORY_FIELDS:
                 self._assign(f"memory_{field}", float(getattr(memory, field)))
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         for state, key in (("nonfinite_loss_steps", keys.NONFINITE_LOSS_STEPS),
                            ("nonfinite_grad_norm_steps", keys.NONFINITE_GRAD_NORM_STEPS)):

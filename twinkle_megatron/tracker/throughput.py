@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import keys
-from ..metric.base import Metric, Number, StateValues
+from ..metric.base import Metric, Number, SyncedStates
 from .flops import FlopsCoefficients
 from .timer import StepTimer
 
@@ -121,7 +121,7 @@ class Throughput(Metric):
         self._steps = 0
         self._consumed_before = int(consumed_tokens)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         steps = int(states["steps"]) if states["steps"] != _ABSENT else 0
         if steps:
@@ -131,7 +131,7 @@ class Throughput(Metric):
             results[keys.CONSUMED_TOKENS] = consumed
         return results
 
-    def _rates(self, states: StateValues, steps: int) -> dict[str, Number]:
+    def _rates(self, states: SyncedStates, steps: int) -> dict[str, Number]:
         by_rank: torch.Tensor = states["seconds_by_rank"]
         slowest = int(torch.argmax(by_rank))  # first maximum: the lowest rank on ties
         seconds = float(by_rank[slowest])
@@ -152,7 +152,7 @@ class Throughput(Metric):
                 results[keys.MFU] = results[keys.TFLOPS_PER_GPU] / peak
         return results
 
-    def _flops(self, states: StateValues, steps: int) -> Optional[float]:
+    def _flops(self, states: SyncedStates, steps: int) -> Optional[float]:
         if states["sequence_tokens"] > 0 and self.flops_coefficients is not None:
             return self.flops_coefficients.flops(states["sequence_tokens"], states["sequence_squares"])
         if self.flops_per_step is not None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .base import Number, StateValues
+from .base import Number, SyncedStates
 from .logits_metric import LogitsMetric
 
 
@@ -48,7 +48,7 @@ class TokenStatsMetric(LogitsMetric):
             self._add_tokens("entropy_sum", torch.where(classes.counted, stats.entropy, zero), groups)
             self._add_tokens("tokens", classes.counted, groups)
 
-    def compute(self, states: StateValues) -> dict[str, Number]:
+    def compute(self, states: SyncedStates) -> dict[str, Number]:
         results = self._token_problems(states)
         tokens = states["tokens"]
         if tokens > 0:
