@@ -35,7 +35,7 @@ SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 pytestmark = pytest.mark.skipif(os.environ.get("TWINKLE_SLURM_TEST") != "1" or not os.environ.get("SLURM_CONF"),
                                 reason="needs the one-host Slurm cluster: run `make test-slurm`")
 
-STEPS = 24
+STEPS = 64  # long enough that the requeue lands while the resumed run still trains (a step: ~0.05 s)
 SAVE_INTERVAL = 8
 NODES, RANKS_PER_NODE, PP, DP = 2, 2, 2, 2
 JOB_TIMEOUT = 240  # seconds, per job (each start imports megatron on 4 ranks sharing 2 cores)
@@ -86,7 +86,7 @@ def _wait(what: str, condition, output: Path, timeout: float = JOB_TIMEOUT):
         value = condition()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(0.2)
     log = output.read_text()[-6000:] if output.exists() else "(no job output)"
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; job output:\n{log}")
 
