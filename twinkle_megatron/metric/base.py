@@ -99,6 +99,9 @@ class Metric(_Base):
     """The ``outputs`` keys the metric reads, one of which a call needs to add anything (empty: none needed)."""
     reports_positions: ClassVar[bool] = False
     """Whether the metric knows each token's position, so that ``position_buckets`` can be given."""
+    token_statistics: ClassVar[tuple[str, ...]] = ("argmax", "logprobs", "entropy")
+    """The per-token statistics of the logits the metric reads (see :mod:`.logits_pass`): a collection whose
+    metrics read no ``logprobs`` or ``entropy`` makes the argmax-only pass. Undeclared: all of them."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -6,7 +6,7 @@ import inspect
 from typing import Any, Iterable, Mapping, Union
 
 from .inputs import arrays_as_tensors
-from .logits_pass import sharing_token_stats
+from .logits_pass import STATISTICS, sharing_token_stats
 from .sync import Number, calculate_metrics, is_builtin, reduced_state_dicts
 
 
@@ -28,6 +28,9 @@ class MetricCollection:
 
     def __init__(self, metrics: Union[Mapping[str, Any], Iterable[Any]]) -> None:
         self.metrics: list[Any] = list(metrics.values() if isinstance(metrics, Mapping) else metrics)
+        # What the metrics read of the logits (a Twinkle-style metric that declares nothing: everything).
+        self._token_statistics = frozenset(name for metric in self.metrics for name in
+                                           getattr(metric, "token_statistics", STATISTICS))
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         """Feed every metric; metrics reading the same logits share one vocab-parallel pass.
@@ -36,7 +39,7 @@ class MetricCollection:
         ``accumulate(self, inputs, outputs)`` takes none) are not passed to it.
         """
         inputs, outputs, kwargs = arrays_as_tensors(inputs), arrays_as_tensors(outputs), arrays_as_tensors(kwargs, 3)
-        with sharing_token_stats():
+        with sharing_token_stats(self._token_statistics):
             for metric in self.metrics:
                 metric.accumulate(inputs, outputs, **_keywords_for(metric, kwargs))
 
