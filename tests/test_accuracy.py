@@ -214,3 +214,39 @@ def test_problem_tokens_are_classified_alike_by_both_passes():
     assert all(light == full for light, full in per_rank), per_rank
     light = per_rank[0][0]  # TP rank 0 counts the tokens (no DP sync in this context)
     assert light["nonfinite_tokens"] == 4 and light["invalid_labels"] == 2 and light["total_tokens"] == 5, light
+
+
+def _collectives_with_and_without_entropies() -> dict:
+    """Accuracy and GRPOMetric over TP=2 logits: given ``entropies`` (Twinkle's model forward), GRPO reads no
+    statistics of the logits, so the collection makes the argmax-only pass; without them, the full one."""
+    import torch.distributed as dist
+    from kit.guards import count_collectives
+
+    from twinkle_megatron import GRPOMetric
+    from twinkle_megatron.parallel import ParallelContext
+
+    rank = dist.get_rank()
+    context = ParallelContext(tp_group=dist.group.WORLD, tp_size=2, tp_rank=rank)
+    batch = global_batch()
+    logits, labels = batch["logits"][:2], batch["labels"][:2]
+    shard = PADDED_VOCAB // 2
+    full = full_vocab_stats(logits, labels, vocab_size=VOCAB)
+    outputs = {"logits": logits[..., rank * shard:(rank + 1) * shard], "logps": torch.where(labels != -100,
+                                                                                             full.logprobs, 0.0)}
+    counts, results = {}, {}
+    for name, extra in (("with", {"entropies": full.entropy}), ("without", {})):
+        collection = MetricCollection([Accuracy(context, vocab_size=VOCAB), GRPOMetric(context, vocab_size=VOCAB)])
+        with count_collectives() as counted:
+            collection.accumulate({"labels": labels}, {**outputs, **extra})
+        counts[name] = dict(counted)
+        results[name] = collection.calculate()
+    return {"counts": counts, "results": results}
+
+
+def test_given_entropies_leave_the_argmax_only_pass_to_accuracy():
+    for rank, r in enumerate(run_distributed(_collectives_with_and_without_entropies, 2)):
+        assert r["counts"] == {"with": {"all_reduce": 1}, "without": {"all_reduce": 2}}, r["counts"]
+        if rank == 0:
+            with_, without = r["results"]["with"], r["results"]["without"]
+            assert with_.keys() == without.keys() and "train/entropy" in with_
+            assert all(with_[k] == pytest.approx(without[k], rel=1e-5) for k in with_), (with_, without)

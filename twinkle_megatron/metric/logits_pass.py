@@ -19,22 +19,20 @@ full pass (two TP collectives) serves every reader.
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from ..ops import ArgmaxStats, TokenStats, vocab_parallel_argmax_stats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
+from .call_cache import call_values, sharing_call_values
 from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
 from .inputs import to_device, token_mask
 
 LAYOUTS = ("bsv", "sbv")
 STATISTICS = ("argmax", "logprobs", "entropy")
 PROBABILITIES = frozenset(("logprobs", "entropy"))  # what only the full pass (an exp per logit) gives
-_NEEDS = "statistics"  # the cache entry holding the statistics the block's readers declared
-
-_cache: ContextVar[Optional[dict]] = ContextVar("twinkle_megatron_token_stats", default=None)
+_NEEDS = "statistics"  # the hint holding the statistics the block's readers declared
 Statistics = Union[TokenStats, ArgmaxStats]
 
 
@@ -42,11 +40,8 @@ Statistics = Union[TokenStats, ArgmaxStats]
 def sharing_token_stats(statistics: Iterable[str] = STATISTICS) -> Iterator[None]:
     """Within the block, the statistics of a (logits, labels) pair are computed once: the first reader
     computes what ``statistics`` (the union of the block's readers' declarations) names."""
-    token = _cache.set({_NEEDS: frozenset(statistics)})
-    try:
+    with sharing_call_values(**{_NEEDS: frozenset(statistics)}):
         yield
-    finally:
-        _cache.reset(token)
 
 
 def resolve_layout(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str] = None) -> str:
@@ -85,14 +80,14 @@ def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: Para
     # The logits identify the microbatch: every metric of a collection gets the same inputs, so
     # the labels paired with these logits are the same (possibly re-concatenated) tokens.
     key = (id(logits) if cache_key is None else cache_key, vocab_size, layout, ignore_index)
-    cache = _cache.get()
+    cache = call_values()
     needs_probabilities = not PROBABILITIES.isdisjoint(statistics)
     if cache is not None:
         cached = cache.get(key)
         if cached is not None and (isinstance(cached, TokenStats) or not needs_probabilities):
             return cached
         # An undeclared reader after an argmax-only one costs a second pass, never a wrong result.
-        needs_probabilities = needs_probabilities or not PROBABILITIES.isdisjoint(cache[_NEEDS])
+        needs_probabilities = needs_probabilities or not PROBABILITIES.isdisjoint(cache.get(_NEEDS, STATISTICS))
     group = context.tp_group if context.tp_size > 1 else None
     if needs_probabilities:
         aligned_labels = labels.t() if layout == "sbv" else labels
@@ -208,7 +203,9 @@ def classify_tokens(stats: Statistics, mask: torch.Tensor, labels: Optional[torc
     else:
         scored = ~torch.isnan(stats.logprobs)
         finite = torch.isfinite(stats.entropy)
-    return TokenClasses(mask & scored, mask & ~finite, mask & finite & ~scored)
+    counted, nonfinite = mask & scored, mask & ~finite
+    # A scored token is finite, so the three classes split the mask: the invalid ones are the rest (two ops).
+    return TokenClasses(counted, nonfinite, mask ^ counted ^ nonfinite)
 
 
 def shared_token_classes(batch: TokenBatch, ignore_index: int,
@@ -220,7 +217,7 @@ def shared_token_classes(batch: TokenBatch, ignore_index: int,
     (the same labels, mask, real tokens and statistics objects give the same classes).
     """
     key = ("classes", id(batch.stats), id(batch.labels), id(batch.completion_mask), id(real), ignore_index)
-    cache = _cache.get()
+    cache = call_values()
     if cache is not None and key in cache:
         return cache[key][:2]
     mask = token_mask(batch.labels, batch.completion_mask, ignore_index, real)

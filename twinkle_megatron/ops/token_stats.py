@@ -334,9 +334,7 @@ def calculate_local_pass(rows: torch.Tensor, shard: Shard, flat_labels: Optional
         local_max, local_col = torch_local_pass(rows, shard.n_valid, local_labels, stats, cdtype, chunk_size,
                                                 need_sums)
     if flag_minus_inf:
-        minus_inf = rows[:, :shard.n_valid].amin(dim=-1) == float("-inf")
-        local_max = torch.where(minus_inf, torch.full((), float("nan"), dtype=local_max.dtype, device=device),
-                                local_max)
+        local_max = local_max.masked_fill(rows[:, :shard.n_valid].amin(dim=-1) == float("-inf"), float("nan"))
     if not with_keys:
         return LocalPass(local_max.to(cdtype), None, stats, local_col + shard.start)
     keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
