@@ -117,7 +117,8 @@ def first_max_column(rows: torch.Tensor, block_max: Optional[torch.Tensor], widt
     for start in range(0, n_tokens, step):
         stop = min(start + step, n_tokens)
         cols = (block[start:stop] * width).unsqueeze(1) + offsets
-        cols.clamp_(max=n_cols - 1)  # a short tail block repeats its last column; first hit wins
+        if n_cols % width:
+            cols.clamp_(max=n_cols - 1)  # a short tail block repeats its last column; first hit wins
         first = rows[start:stop].gather(1, cols).argmax(dim=-1, keepdim=True)
         torch.gather(cols, 1, first, out=columns[start:stop].unsqueeze(1))
     return columns
