@@ -13,7 +13,10 @@ Sets of metrics (the same classes on both sides): 1 = Accuracy; 4 = + LossMetric
 GRPOMetric; 8 = + GSPOMetric, CISPOMetric, PPOMetric, CompletionRewardMetric. Data: one microbatch of
 ``--tokens`` labels (the first quarter of each sequence a prompt, ``-100``), full-vocabulary logits
 (one process: no TP), log-probs, Twinkle's per-sequence lists of old log-probs and advantages, a loss,
-rewards. Time: ``time.process_time`` around ``--repeats`` calls,
+rewards; in the first table also the per-token ``entropies`` Twinkle's model forward puts in its outputs
+(both sides' GRPO metrics read them), in the second not (then our GRPO metrics compute ``train/entropy``
+from the logits -- the full statistics pass, an exp per logit -- and Twinkle's report none). Accuracy
+alone makes our argmax-only pass either way. Time: ``time.process_time`` around ``--repeats`` calls,
 after 20 untimed ones (``calculate()`` every 50 calls, untimed, so that states stay small), one torch
 thread; the table gives the CPU time per call and ours / Twinkle's. Twinkle's ``.item()`` calls cost no
 device wait on a CPU; on a GPU they would.
@@ -82,7 +85,9 @@ def make_data(batch: int, seq: int, vocab: int) -> tuple[dict, dict, dict]:
     labels[:, :seq // 4] = -100  # the prompt
     logps = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     inputs = {"labels": labels}
-    outputs = {"logits": logits, "logps": logps, "loss": torch.tensor(2.5), "num_tokens": (labels >= 0).sum()}
+    entropies = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    outputs = {"logits": logits, "logps": logps, "entropies": entropies, "loss": torch.tensor(2.5),
+               "num_tokens": (labels >= 0).sum()}
     # Twinkle's call form: per-sequence lists (old log-probs of the completion tokens, one advantage each).
     old_logps = [(row[keep] + 0.1).tolist() for row, keep in zip(logps, labels >= 0)]
     kwargs = {"old_logps": old_logps, "advantages": torch.randn(batch, generator=generator).tolist(),
@@ -121,14 +126,23 @@ def main(argv=None) -> None:
     inputs, outputs, kwargs = make_data(batch, seq, args.vocab)
     print(f"accumulate: one microbatch of {batch}x{seq} tokens, vocabulary {args.vocab}, one process, one thread; "
           f"CPU time per call over {args.repeats} calls")
+    with_entropies = outputs
+    for title, outputs in (("outputs with entropies (Twinkle's model forward)", with_entropies),
+                           ("outputs without entropies (ours: train/entropy from the logits; Twinkle: none)",
+                            {k: v for k, v in with_entropies.items() if k != "entropies"})):
+        print(title)
+        table(theirs, ours, our_metrics, inputs, outputs, kwargs, args.repeats)
+
+
+def table(theirs, ours, our_metrics, inputs: dict, outputs: dict, kwargs: dict, repeats: int) -> None:
     print(f"{'metrics':>7} {'Twinkle 0.5.1':>14} {'ours':>9} {'ours / Twinkle':>15}")
     for count, names in SETS.items():
         twinkle_set = [getattr(theirs, name)(None, None) for name in names]
         collection = ours.MetricCollection([getattr(our_metrics, name)() for name in names])
         twinkle_time = per_call(lambda s=twinkle_set: [m.accumulate(inputs, outputs, **kwargs) for m in s],
-                                lambda s=twinkle_set: [m.calculate() for m in s], args.repeats)
+                                lambda s=twinkle_set: [m.calculate() for m in s], repeats)
         our_time = per_call(lambda c=collection: c.accumulate(inputs, outputs, **kwargs), collection.calculate,
-                            args.repeats)
+                            repeats)
         print(f"{count:>7} {twinkle_time * 1e3:>11.2f} ms {our_time * 1e3:>6.2f} ms {our_time / twinkle_time:>15.2f}")
 
 

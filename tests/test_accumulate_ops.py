@@ -4,7 +4,8 @@ On an accelerator each op is a kernel launch, and launches, not bytes, are what 
 pays for. With the accelerator's chunk size (the whole microbatch in one chunk of the local pass),
 ``MetricCollection.accumulate`` of ``instrument()``'s default metrics (Accuracy, TokenStatsMetric,
 LossMetric) on one microbatch's logits dispatches a fixed number of ops, whatever the number of tokens:
-views (``view``, ``slice``, ``detach``...) launch nothing and are not counted. The budgets below are
+views (``view``, ``slice``, ``detach``...) launch nothing and are not counted. Accuracy alone makes the
+argmax-only pass (no metric reads a probability) and has its own, smaller budget. The budgets below are
 the counts as built, so that a change that adds launches per microbatch shows up here; no host sync.
 """
 
@@ -28,8 +29,11 @@ VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::unsqueeze", "aten::
 STATS_BUDGET = 71  # the vocab-parallel pass: one chunk, statistics of every token
 # The fused loss's forward: the loss and the same statistics (a padded vocabulary adds the all-column maximum's
 # key); Megatron's own loss forward alone dispatches about 20.
-FUSED_BUDGET = {500: 113, 512: 86}
-ACCUMULATE_BUDGET = 125  # the pass + Accuracy, TokenStatsMetric, LossMetric bookkeeping
+FUSED_BUDGET = {500: 113, 512: 85}  # unpadded: no tail block to clamp (was 86)
+ACCUMULATE_BUDGET = 124  # the pass + Accuracy, TokenStatsMetric, LossMetric bookkeeping (was 125)
+# Accuracy alone reads no probability: the argmax-only pass (block maxima, the first maximum's column, a -inf
+# check; no exp, no sums) and its bookkeeping. One process: no key to pack.
+ARGMAX_ONLY_BUDGET = 43
 
 
 class CountOps(TorchDispatchMode):
@@ -72,6 +76,17 @@ def test_one_microbatch_costs_a_fixed_number_of_ops(accelerator_chunks, batch, s
     with CountOps() as stats:
         vocab_parallel_token_stats(outputs["logits"], inputs["labels"], vocab_size=500)
     assert stats.launches == STATS_BUDGET, stats.ops
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 64), (4, 256)])
+def test_accuracy_alone_costs_the_argmax_only_budget(accelerator_chunks, batch, seq):
+    collection = tm.MetricCollection([tm.Accuracy(vocab_size=500)])
+    inputs, outputs = microbatch(batch, seq)
+    collection.accumulate(inputs, outputs)
+    with forbid_host_sync(), CountOps() as counted:
+        collection.accumulate(inputs, outputs)
+    assert counted.launches == ARGMAX_ONLY_BUDGET, counted.ops
+    assert "aten::exp" not in counted.ops
 
 
 @pytest.mark.parametrize("seq", [64, 256])

@@ -171,3 +171,82 @@ def test_shape_mismatch_names_both_shapes():
     with pytest.raises(ValueError, match="logits_layout must be one of"):
         metric.accumulate({"labels": torch.zeros(2, 4, dtype=torch.long)}, {"logits": torch.randn(2, 4, 7)},
                           logits_layout="bs")
+
+
+def test_accuracy_alone_makes_the_argmax_only_pass_in_one_collective_per_microbatch():
+    """No metric of the collection reads a probability: no exp, one TP all-reduce per microbatch, same result."""
+    batch = global_batch()
+    assert_layout_invariant(lambda _: MetricCollection([Accuracy(vocab_size=VOCAB)]), batch, [Layout(tp=2)],
+                            feed=feed_two_microbatches,
+                            expected=accuracy_reference(batch["logits"], batch["labels"], vocab_size=VOCAB),
+                            accumulate_collectives={"all_reduce": 2})
+
+
+def _problem_tokens_both_ways() -> list:
+    """NaN, +inf and -inf logits (in either TP shard, and in padding columns, which are never read) and labels
+    outside the vocabulary: Accuracy alone (the argmax-only pass) and next to an entropy reader (the full pass)."""
+    import torch.distributed as dist
+
+    from twinkle_megatron.parallel import ParallelContext
+
+    rank = dist.get_rank()
+    context = ParallelContext(tp_group=dist.group.WORLD, tp_size=2, tp_rank=rank)
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, PADDED_VOCAB, generator=generator)
+    labels = logits[..., :VOCAB].argmax(-1)
+    logits[0, 0, 3], logits[0, 1, 40], logits[0, 2, 45] = float("nan"), float("inf"), float("-inf")
+    logits[0, 3, 2] = float("-inf")
+    logits[1, 0, VOCAB + 1] = float("nan")  # padding: the token still counts
+    labels[1, 1], labels[1, 2], labels[1, 3] = VOCAB, -7, -100
+    shard = PADDED_VOCAB // 2
+    inputs, outputs = {"labels": labels}, {"logits": logits[..., rank * shard:(rank + 1) * shard]}
+    results = []
+    for metrics in ([Accuracy(context, vocab_size=VOCAB, strict=False)],
+                    [Accuracy(context, vocab_size=VOCAB, strict=False), MeanEntropy(context)]):
+        collection = MetricCollection(metrics)
+        collection.accumulate(inputs, outputs)
+        results.append({k: v for k, v in collection.calculate().items() if k != "entropy"})
+    return results
+
+
+def test_problem_tokens_are_classified_alike_by_both_passes():
+    per_rank = run_distributed(_problem_tokens_both_ways, 2)
+    assert all(light == full for light, full in per_rank), per_rank
+    light = per_rank[0][0]  # TP rank 0 counts the tokens (no DP sync in this context)
+    assert light["nonfinite_tokens"] == 4 and light["invalid_labels"] == 2 and light["total_tokens"] == 5, light
+
+
+def _collectives_with_and_without_entropies() -> dict:
+    """Accuracy and GRPOMetric over TP=2 logits: given ``entropies`` (Twinkle's model forward), GRPO reads no
+    statistics of the logits, so the collection makes the argmax-only pass; without them, the full one."""
+    import torch.distributed as dist
+    from kit.guards import count_collectives
+
+    from twinkle_megatron import GRPOMetric
+    from twinkle_megatron.parallel import ParallelContext
+
+    rank = dist.get_rank()
+    context = ParallelContext(tp_group=dist.group.WORLD, tp_size=2, tp_rank=rank)
+    batch = global_batch()
+    logits, labels = batch["logits"][:2], batch["labels"][:2]
+    shard = PADDED_VOCAB // 2
+    full = full_vocab_stats(logits, labels, vocab_size=VOCAB)
+    outputs = {"logits": logits[..., rank * shard:(rank + 1) * shard], "logps": torch.where(labels != -100,
+                                                                                             full.logprobs, 0.0)}
+    counts, results = {}, {}
+    for name, extra in (("with", {"entropies": full.entropy}), ("without", {})):
+        collection = MetricCollection([Accuracy(context, vocab_size=VOCAB), GRPOMetric(context, vocab_size=VOCAB)])
+        with count_collectives() as counted:
+            collection.accumulate({"labels": labels}, {**outputs, **extra})
+        counts[name] = dict(counted)
+        results[name] = collection.calculate()
+    return {"counts": counts, "results": results}
+
+
+def test_given_entropies_leave_the_argmax_only_pass_to_accuracy():
+    for rank, r in enumerate(run_distributed(_collectives_with_and_without_entropies, 2)):
+        assert r["counts"] == {"with": {"all_reduce": 1}, "without": {"all_reduce": 2}}, r["counts"]
+        if rank == 0:
+            with_, without = r["results"]["with"], r["results"]["without"]
+            assert with_.keys() == without.keys() and "train/entropy" in with_
+            assert all(with_[k] == pytest.approx(without[k], rel=1e-5) for k in with_), (with_, without)

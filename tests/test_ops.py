@@ -21,11 +21,23 @@ import torch
 import torch.distributed as dist
 from kit.distributed import Layout, run_distributed
 from kit.guards import HostSyncError, count_collectives, forbid_host_sync
-from kit.ops_cases import CASES, CHUNKS, Case, assert_close, case_inputs, check_case, local_shard, make_inputs
+from kit.ops_cases import (
+    CASES,
+    CHUNKS,
+    Case,
+    assert_close,
+    assert_same_on_ranks,
+    case_inputs,
+    check_case,
+    local_shard,
+    make_inputs,
+    tokens,
+)
 from kit.references import IGNORE_INDEX, full_vocab_stats
 
 from twinkle_megatron.ops import (
     vocab_parallel_argmax,
+    vocab_parallel_argmax_stats,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
     vocab_parallel_token_stats,
@@ -288,6 +300,58 @@ def test_collective_count_and_subgroups() -> None:
             assert torch.equal(argmax, ref.argmax)
             assert_close("group of one logprobs", lp, ref.logprobs)
             assert_close("group of one entropy", ent, ref.entropy)
+
+
+# ----------------------------------------------------------------------------- the argmax-only pass
+
+
+def argmax_stats_and_full_pass(shard: torch.Tensor, labels: torch.Tensor, vocab_size, group=None) -> dict:
+    """The argmax-only statistics (their collectives counted, host syncs forbidden) next to the full pass's."""
+    with forbid_host_sync(), count_collectives() as counted:
+        light = vocab_parallel_argmax_stats(shard, group, vocab_size)
+    full = vocab_parallel_token_stats(shard, labels, group, vocab_size)
+    return {"light": tuple(light), "full": tuple(full), "collectives": dict(counted)}
+
+
+def check_argmax_stats(name: str, result: dict, n_tokens: int, vocab: int, tp: int) -> None:
+    """``finite`` is the full pass's ``isfinite(entropy)`` (NaN, +inf, -inf on any shard; padding never
+    read); the argmax is the full pass's wherever the logits are finite; one all-reduce on several ranks."""
+    argmax, finite, vocab_size = result["light"]
+    full_argmax, _, entropy = result["full"]
+    assert vocab_size == vocab, name
+    assert finite.dtype == torch.bool and torch.equal(finite, torch.isfinite(entropy)), name
+    assert torch.equal(argmax[finite], full_argmax[finite]), name
+    assert result["collectives"] == ({"all_reduce": 1} if tp > 1 and n_tokens else {}), name
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_argmax_stats_say_what_the_full_pass_says_whole_vocab(case: Case) -> None:
+    full, labels = case_inputs(case, 1)
+    result = argmax_stats_and_full_pass(local_shard(case, full, 0, 1), labels, case.vocab_size(1))
+    check_argmax_stats(case.name, result, tokens(case), case.vocab(1), 1)
+    if tokens(case):
+        assert not bool(result["light"][1].all()), "the cases hold non-finite tokens"
+
+
+def _argmax_stats_worker(cases: list) -> list:
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for case in cases:
+        full, labels = case_inputs(case, tp)
+        out.append(argmax_stats_and_full_pass(local_shard(case, full, rank, tp), labels, case.vocab_size(tp),
+                                              dist.group.WORLD))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_argmax_stats_under_tensor_parallelism_in_one_all_reduce(world: int) -> None:
+    """NaN in the last shard, +inf in shard 0, -inf in shard 1 (``kit.ops_cases``): every rank says the token is
+    not finite, as the full pass does, after one all-reduce of the keys."""
+    per_rank = run_distributed(_argmax_stats_worker, world, args=(CASES,))
+    for i, case in enumerate(CASES):
+        for rank, r in enumerate(per_rank):
+            check_argmax_stats(f"{case.name} tp={world} rank {rank}", r[i], tokens(case), case.vocab(world), world)
+        assert_same_on_ranks(f"{case.name} argmax stats", [r[i]["light"][:2] for r in per_rank])
 
 
 def _no_sync_worker(cases: list) -> list:

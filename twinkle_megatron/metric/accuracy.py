@@ -39,6 +39,8 @@ class Accuracy(LogitsMetric):
     {'accuracy': 0.5, 'correct_tokens': 1, 'total_tokens': 2}
     """
 
+    token_statistics = ("argmax",)  # no probability: the argmax-only pass when no other metric needs one
+
     def __init__(self, device_mesh: Any = None, process_group: Any = None, **kwargs: Any) -> None:
         super().__init__(device_mesh, process_group, **kwargs)
         self.add_state("correct_tokens", "sum", grouped=True)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
+from .call_cache import call_values
 from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenSlices, check_group_names, slice_states, token_groups
 from .inputs import arrays_as_tensors, given
 from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
@@ -64,8 +65,11 @@ def _without_autograd(accumulate: Callable) -> Callable:
             # Known only once the subclass declared its states: at the first call, before any state changes.
             raise ValueError(f"{type(self).__name__} has no per-group statistics; group_names={self.group_names} "
                              "would report nothing per group (use it on the token-level metrics)")
-        args, kwargs = arrays_as_tensors(args), arrays_as_tensors(kwargs, depth=3)  # numpy at the boundary
+        if call_values() is None:  # numpy at the boundary (a collection's call crossed it already)
+            args, kwargs = arrays_as_tensors(args), arrays_as_tensors(kwargs, depth=3)
         check_call(self, args[1] if len(args) > 1 else kwargs.get("outputs"), kwargs)
+        if not torch.is_grad_enabled():  # a collection's call: no_grad already
+            return accumulate(self, *args, **kwargs)
         with torch.no_grad():
             return accumulate(self, *args, **kwargs)
 
@@ -99,6 +103,14 @@ class Metric(_Base):
     """The ``outputs`` keys the metric reads, one of which a call needs to add anything (empty: none needed)."""
     reports_positions: ClassVar[bool] = False
     """Whether the metric knows each token's position, so that ``position_buckets`` can be given."""
+    token_statistics: ClassVar[tuple[str, ...]] = ("argmax", "logprobs", "entropy")
+    """The per-token statistics of the logits the metric reads (see :mod:`.logits_pass`): a collection whose
+    metrics read no ``logprobs`` or ``entropy`` makes the argmax-only pass. Undeclared: all of them."""
+
+    def token_statistics_for(self, outputs: Any) -> tuple[str, ...]:
+        """What one call with these ``outputs`` reads of the logits' statistics (default: ``token_statistics``);
+        a :class:`MetricCollection` makes the pass its metrics need together."""
+        return self.token_statistics
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

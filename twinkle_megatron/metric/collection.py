@@ -5,8 +5,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterable, Mapping, Union
 
+import torch
+
 from .inputs import arrays_as_tensors
-from .logits_pass import sharing_token_stats
+from .logits_pass import STATISTICS, sharing_token_stats
 from .sync import Number, calculate_metrics, is_builtin, reduced_state_dicts
 
 
@@ -36,9 +38,15 @@ class MetricCollection:
         ``accumulate(self, inputs, outputs)`` takes none) are not passed to it.
         """
         inputs, outputs, kwargs = arrays_as_tensors(inputs), arrays_as_tensors(outputs), arrays_as_tensors(kwargs, 3)
-        with sharing_token_stats():
+        with sharing_token_stats(self._token_statistics(outputs)), torch.no_grad():
             for metric in self.metrics:
                 metric.accumulate(inputs, outputs, **_keywords_for(metric, kwargs))
+
+    def _token_statistics(self, outputs: Any) -> frozenset:
+        """What this call's metrics read of the logits (a Twinkle-style metric that declares nothing: all)."""
+        return frozenset(name for metric in self.metrics for name in
+                         (metric.token_statistics_for(outputs) if hasattr(metric, "token_statistics_for")
+                          else STATISTICS))
 
     def calculate(self) -> dict[str, Number]:
         return calculate_metrics(self.metrics)

@@ -73,6 +73,8 @@ class CompletionRewardMetric(Metric):
     (True, 20.0)
     """
 
+    token_statistics = ()  # reads no logits
+
     call_keywords = ("rewards", "completion_lengths", "completions", "generate_time", "generation_time",
                      "weight_sync_time")
 

@@ -119,6 +119,7 @@ class GRPOMetric(Metric):
 
     call_keywords = ("old_logps", "advantages", "rollout_logps", "vocab_size", "logits_layout", "group_ids")
     output_keys = ("logps",)
+    token_statistics = ("entropy",)  # train/entropy, when the outputs bring no entropies
     reports_positions = True
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, ignore_index: int = -100,
@@ -173,6 +174,13 @@ class GRPOMetric(Metric):
             if batch.counts_here:
                 self._accumulate_microbatch(batch, vocab_size, layout)
         self._high_kl.end_call(sum(batch.sequence_count for batch in batches))
+
+    def token_statistics_for(self, outputs: Any) -> tuple[str, ...]:
+        """None of the logits' statistics when the call brings ``entropies`` (Twinkle's model forward computes
+        them) or ``token_stats``: ``train/entropy`` comes from those."""
+        if isinstance(outputs, Mapping) and (given(outputs.get("entropies")) or given(outputs.get("token_stats"))):
+            return ()
+        return self.token_statistics
 
     @staticmethod
     def _per_token_extras(batch: Any, output: Any, labels: torch.Tensor) -> dict:

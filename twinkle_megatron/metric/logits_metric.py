@@ -58,7 +58,8 @@ class LogitsMetric(Metric):
                 continue
             check_layout_declared(self, output.get("logits"), batch.get("labels"), layout)
             aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
-                                             self.cp_gathered, self.group_ids_of(batch, output))
+                                             self.cp_gathered, self.group_ids_of(batch, output),
+                                             self.token_statistics)
             if not aligned.counts_here:
                 continue
             positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.cp_gathered,

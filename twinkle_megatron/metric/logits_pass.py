@@ -8,34 +8,40 @@ returns per-token results shaped like the labels. Inside
 :func:`sharing_token_stats` (which :class:`MetricCollection` opens around each
 ``accumulate``) the pass runs once per microbatch, whatever the number of
 metrics reading it; only per-token results are cached, never the logits.
+
+Each reader names the statistics it needs (``statistics``: a subset of
+:data:`STATISTICS`; a metric class declares them in its ``token_statistics``).
+When no reader of the block needs a probability, the pass is the argmax-only
+one (:func:`.vocab_parallel_argmax_stats`: no exp, one TP collective); else the
+full pass (two TP collectives) serves every reader.
 """
 
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 
-from ..ops import TokenStats, vocab_parallel_token_stats
+from ..ops import ArgmaxStats, TokenStats, vocab_parallel_argmax_stats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
+from .call_cache import call_values, sharing_call_values
 from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
 from .inputs import to_device, token_mask
 
 LAYOUTS = ("bsv", "sbv")
-
-_cache: ContextVar[Optional[dict]] = ContextVar("twinkle_megatron_token_stats", default=None)
+STATISTICS = ("argmax", "logprobs", "entropy")
+PROBABILITIES = frozenset(("logprobs", "entropy"))  # what only the full pass (an exp per logit) gives
+_NEEDS = "statistics"  # the hint holding the statistics the block's readers declared
+Statistics = Union[TokenStats, ArgmaxStats]
 
 
 @contextlib.contextmanager
-def sharing_token_stats() -> Iterator[None]:
-    """Within the block, the statistics of a (logits, labels) pair are computed once."""
-    token = _cache.set({})
-    try:
+def sharing_token_stats(statistics: Iterable[str] = STATISTICS) -> Iterator[None]:
+    """Within the block, the statistics of a (logits, labels) pair are computed once: the first reader
+    computes what ``statistics`` (the union of the block's readers' declarations) names."""
+    with sharing_call_values(**{_NEEDS: frozenset(statistics)}):
         yield
-    finally:
-        _cache.reset(token)
 
 
 def resolve_layout(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str] = None) -> str:
@@ -61,25 +67,36 @@ def resolve_layout(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[
 
 def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: ParallelContext,
                        vocab_size: Optional[int] = None, layout: Optional[str] = None,
-                       ignore_index: int = -100, cache_key: Optional[int] = None) -> TokenStats:
+                       ignore_index: int = -100, cache_key: Optional[int] = None,
+                       statistics: Iterable[str] = STATISTICS) -> Statistics:
     """argmax, label log-prob and entropy of each token, shaped like ``labels``.
 
     ``logits`` is this rank's vocab shard when ``context.tp_size > 1``.
     ``cache_key`` identifies the caller's logits when ``logits`` is a CP cut of them.
+    ``statistics`` names what the caller reads: without ``logprobs`` and ``entropy`` (and when no reader
+    of the :func:`sharing_token_stats` block needs them) the result is an :class:`.ArgmaxStats`.
     """
     layout = resolve_layout(logits, labels, layout)
     # The logits identify the microbatch: every metric of a collection gets the same inputs, so
     # the labels paired with these logits are the same (possibly re-concatenated) tokens.
     key = (id(logits) if cache_key is None else cache_key, vocab_size, layout, ignore_index)
-    cache = _cache.get()
-    if cache is not None and key in cache:
-        return cache[key]
-    aligned_labels = labels.t() if layout == "sbv" else labels
-    stats = vocab_parallel_token_stats(logits, to_device(aligned_labels, logits.device),
-                                       group=context.tp_group if context.tp_size > 1 else None,
-                                       vocab_size=vocab_size, ignore_index=ignore_index)
+    cache = call_values()
+    needs_probabilities = not PROBABILITIES.isdisjoint(statistics)
+    if cache is not None:
+        cached = cache.get(key)
+        if cached is not None and (isinstance(cached, TokenStats) or not needs_probabilities):
+            return cached
+        # An undeclared reader after an argmax-only one costs a second pass, never a wrong result.
+        needs_probabilities = needs_probabilities or not PROBABILITIES.isdisjoint(cache.get(_NEEDS, STATISTICS))
+    group = context.tp_group if context.tp_size > 1 else None
+    if needs_probabilities:
+        aligned_labels = labels.t() if layout == "sbv" else labels
+        stats = vocab_parallel_token_stats(logits, to_device(aligned_labels, logits.device), group=group,
+                                           vocab_size=vocab_size, ignore_index=ignore_index)
+    else:
+        stats = vocab_parallel_argmax_stats(logits, group=group, vocab_size=vocab_size)
     if layout == "sbv":
-        stats = TokenStats(*(None if s is None else s.t() for s in stats))
+        stats = transposed(stats)
     if cache is not None:
         # Holding the logits' id is safe: the caller's outputs keep them alive for the whole block.
         cache[key] = stats
@@ -91,10 +108,17 @@ class TokenBatch(NamedTuple):
 
     labels: torch.Tensor
     completion_mask: Optional[torch.Tensor]
-    stats: TokenStats
+    stats: Statistics
     counts_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
     group_ids: Any = None  # the microbatch's group ids, per token ones matched under CP like the labels
     cp_gathered: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
+
+
+def transposed(stats: Statistics) -> Statistics:
+    """The statistics of ``[s, b]`` tokens as ``[b, s]`` (the labels' layout)."""
+    if isinstance(stats, ArgmaxStats):
+        return ArgmaxStats(stats.argmax.t(), stats.finite.t(), stats.vocab_size)
+    return TokenStats(*(None if s is None else s.t() for s in stats))
 
 
 def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
@@ -107,7 +131,7 @@ def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
 def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], context: ParallelContext,
                            vocab_size: Optional[int] = None, layout: Optional[str] = None,
                            ignore_index: int = -100, cp_gathered: Optional[bool] = None,
-                           group_ids: Any = None) -> TokenBatch:
+                           group_ids: Any = None, statistics: Iterable[str] = STATISTICS) -> TokenBatch:
     """The token statistics of one microbatch, with its labels, mask and group ids aligned to them.
 
     ``output['token_stats']`` when a hook already computed them (shaped like the
@@ -140,7 +164,7 @@ def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], 
     if not aligned.counts_here(context):
         return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.cp_gathered)
     stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
-                               cache_key=id(logits))
+                               cache_key=id(logits), statistics=statistics)
     return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.cp_gathered)
 
 
@@ -162,17 +186,26 @@ class TokenClasses(NamedTuple):
     invalid_label: torch.Tensor  # finite logits, label outside [0, vocab_size)
 
 
-def classify_tokens(stats: TokenStats, mask: torch.Tensor) -> TokenClasses:
+def classify_tokens(stats: Statistics, mask: torch.Tensor, labels: Optional[torch.Tensor] = None) -> TokenClasses:
     """Split the tokens of ``mask`` by what the statistics say about them (device ops only).
 
     The ops give a NaN log-prob to every token with a non-finite logit or a label outside the
     vocabulary (and 0 to ignored labels, which ``mask`` leaves out), so a counted token is one
     whose log-prob is a number; a NaN one is non-finite when its entropy is, else an invalid label.
+    :class:`.ArgmaxStats` carry no log-prob: they say ``finite`` themselves and a label (``labels``,
+    needed then) is in the vocabulary when ``0 <= label < stats.vocab_size`` -- the same classes.
     """
-    mask = to_device(mask, stats.entropy.device)
-    scored = ~torch.isnan(stats.logprobs)
-    finite = torch.isfinite(stats.entropy)
-    return TokenClasses(mask & scored, mask & ~finite, mask & finite & ~scored)
+    mask = to_device(mask, stats.argmax.device)
+    if isinstance(stats, ArgmaxStats):
+        finite = stats.finite
+        labels = to_device(labels, finite.device)
+        scored = finite & (labels >= 0) & (labels < stats.vocab_size)
+    else:
+        scored = ~torch.isnan(stats.logprobs)
+        finite = torch.isfinite(stats.entropy)
+    counted, nonfinite = mask & scored, mask & ~finite
+    # A scored token is finite, so the three classes split the mask: the invalid ones are the rest (two ops).
+    return TokenClasses(counted, nonfinite, mask ^ counted ^ nonfinite)
 
 
 def shared_token_classes(batch: TokenBatch, ignore_index: int,
@@ -184,11 +217,11 @@ def shared_token_classes(batch: TokenBatch, ignore_index: int,
     (the same labels, mask, real tokens and statistics objects give the same classes).
     """
     key = ("classes", id(batch.stats), id(batch.labels), id(batch.completion_mask), id(real), ignore_index)
-    cache = _cache.get()
+    cache = call_values()
     if cache is not None and key in cache:
         return cache[key][:2]
     mask = token_mask(batch.labels, batch.completion_mask, ignore_index, real)
-    result = (mask, classify_tokens(batch.stats, mask))
+    result = (mask, classify_tokens(batch.stats, mask, batch.labels))
     if cache is not None:
         # The keyed objects are kept with the entry: their ids cannot be reused while the block lasts.
         cache[key] = (*result, batch.stats, batch.labels, batch.completion_mask, real)

@@ -66,6 +66,8 @@ class LossMetric(Metric):
     {'loss': 2.0, 'grad_norm': 0.5}
     """
 
+    token_statistics = ()  # reads no logits
+
     call_keywords = ("loss", "loss_reduction", "num_tokens", "grad_norm", "group_ids")
     output_keys = ("loss",)
     reports_positions = True

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 import torch
 
 from ..parallel import ParallelContext
+from .call_cache import shared_value
 from .context_parallel import (
     SequenceTensors,
     align_to_cp_rank,
@@ -97,12 +98,29 @@ def token_values(values: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
         if values.dim() == 1:
             values = values[:, None].expand(mask.shape)
         return torch.where(mask, values, torch.zeros((), dtype=torch.float64, device=device)), misaligned
+    # The metrics of a collection read the same lists: they cross to the device once per call.
+    scalars, arrays = shared_value(("token_values", id(values), device), lambda: _values_on(values, device),
+                                   keep=(values,))
+    spread = scalars[:, None].expand(mask.shape)
+    if arrays is None:
+        return torch.where(mask, spread, torch.zeros((), dtype=torch.float64, device=device)), misaligned
+    padded, lengths, is_scalar = arrays
+    rank_among_counted = mask.long().cumsum(-1) - 1
+    scattered = padded.gather(1, rank_among_counted.clamp(0, padded.shape[1] - 1))
+    scattered = torch.where(rank_among_counted < lengths[:, None], scattered, torch.zeros_like(scattered))
+    result = torch.where(is_scalar[:, None], spread, scattered)
+    misaligned = (~is_scalar & (mask.sum(-1) != lengths)).sum().to(torch.float64)
+    return torch.where(mask, result, torch.zeros_like(result)), misaligned
+
+
+def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optional[tuple]]:
+    """A list of per-sequence values on ``device``: the numbers (0 for arrays) as a ``[sequences]`` vector, and
+    unless every entry is a number, ``(padded arrays [sequences, longest], lengths, is_scalar)``."""
     scalar_row = [_is_number(item) for item in values]
     # Host values (Twinkle's lists) cross to the device in one copy; device tensors stay where they are.
     scalars = _stack_on(device, [item if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)])
-    spread = scalars[:, None].expand(mask.shape)
     if all(scalar_row):
-        return torch.where(mask, spread, torch.zeros((), dtype=torch.float64, device=device)), misaligned
+        return scalars, None
     arrays = [torch.as_tensor([] if is_scalar else item, dtype=torch.float64).reshape(-1)
               for item, is_scalar in zip(values, scalar_row)]
     lengths = to_device(torch.tensor([len(a) for a in arrays]), device)
@@ -112,13 +130,7 @@ def token_values(values: Any, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
         padded = torch.nn.utils.rnn.pad_sequence([a.to(device) for a in arrays], batch_first=True)
     if padded.shape[1] == 0:
         padded = torch.zeros(len(arrays), 1, dtype=torch.float64, device=device)
-    rank_among_counted = mask.long().cumsum(-1) - 1
-    scattered = padded.gather(1, rank_among_counted.clamp(0, padded.shape[1] - 1))
-    scattered = torch.where(rank_among_counted < lengths[:, None], scattered, torch.zeros_like(scattered))
-    is_scalar = to_device(torch.tensor(scalar_row), device)
-    result = torch.where(is_scalar[:, None], spread, scattered)
-    misaligned = (~is_scalar & (mask.sum(-1) != lengths)).sum().to(torch.float64)
-    return torch.where(mask, result, torch.zeros_like(result)), misaligned
+    return scalars, (padded, lengths, to_device(torch.tensor(scalar_row), device))
 
 
 def _stack_on(device: torch.device, items: list) -> torch.Tensor:
@@ -244,7 +256,11 @@ def sequence_batches(inputs: Any, outputs: Mapping[str, Any], anchor: str, outpu
     shapes = [tuple(cp.tensors[anchor].shape) for cp in aligned]
     # Ragged arrays can be laid onto whole sequences: labels that are whole here, or were before the cut.
     whole_sequences = all(cp.cp_gathered or whole is not None for cp, whole in zip(aligned, whole_labels))
-    pieces = {name: split_per_microbatch(values, name, shapes, whole_sequences)
+    # Every metric of a collection gets the same pieces (so that they cross to the device once, see token_values);
+    # the list of them is its own, as the loop below replaces entries.
+    pieces = {name: list(shared_value(("split", id(values), name, tuple(shapes), whole_sequences),
+                                      lambda v=values, n=name: split_per_microbatch(v, n, shapes, whole_sequences),
+                                      keep=(values,)))
               for name, values in per_sequence.items()}
     misaligned: list[Any] = [0.0] * len(aligned)
     for index, whole in enumerate(whole_labels):

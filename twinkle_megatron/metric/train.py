@@ -39,6 +39,8 @@ class TrainMetric(Metric):
     (2e-05, 8, ['speed', 'total time elapse'])
     """
 
+    token_statistics = ()  # reads no logits
+
     call_keywords = ("lr", "step", "gradient_accumulation_steps")
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, max_param_groups: int = 16,

@@ -7,16 +7,20 @@ shape ``logits.shape[:-1]`` and are identical on every rank of ``group``.
 """
 
 from .token_stats import (
+    ArgmaxStats,
     TokenStats,
     vocab_parallel_argmax,
+    vocab_parallel_argmax_stats,
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
     vocab_parallel_token_stats,
 )
 
 __all__ = [
+    "ArgmaxStats",
     "TokenStats",
     "vocab_parallel_argmax",
+    "vocab_parallel_argmax_stats",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
     "vocab_parallel_token_stats",

@@ -92,8 +92,8 @@ from .kernel_select import choose_kernel, triton_local_pass
 from .shard import Shard, as_token_rows, compute_dtype, decode_key, encode_key, key_floor, restore_layout, token_order
 from .torch_local_pass import torch_local_pass
 
-__all__ = ["TokenStats", "vocab_parallel_argmax", "vocab_parallel_entropy", "vocab_parallel_logprobs",
-           "vocab_parallel_token_stats"]
+__all__ = ["ArgmaxStats", "TokenStats", "vocab_parallel_argmax", "vocab_parallel_argmax_stats",
+           "vocab_parallel_entropy", "vocab_parallel_logprobs", "vocab_parallel_token_stats"]
 
 
 class TokenStats(NamedTuple):
@@ -105,6 +105,18 @@ class TokenStats(NamedTuple):
     """log p(label) (float32, float64 for float64 logits); ``None`` without labels."""
     entropy: Optional[torch.Tensor]
     """Entropy of the softmax over the true vocabulary, in nats (None only in internal argmax-only calls)."""
+
+
+class ArgmaxStats(NamedTuple):
+    """The statistics of a reader of the argmax only (:func:`vocab_parallel_argmax_stats`), shaped like
+    ``logits.shape[:-1]``, identical on every rank."""
+
+    argmax: torch.Tensor
+    """int64 global vocabulary id of the top-1 logit (lowest id on ties) of a token whose logits are finite."""
+    finite: torch.Tensor
+    """bool: every logit of the token in the true vocabulary, on every rank, is finite (NaN/±inf: False)."""
+    vocab_size: int
+    """The true vocabulary size the argmax ranged over (a label outside ``[0, vocab_size)`` is invalid)."""
 
 
 def vocab_parallel_token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -163,6 +175,39 @@ def vocab_parallel_argmax(logits: torch.Tensor, group: Optional[dist.ProcessGrou
     without tokens. Identical on every rank of ``group``.
     """
     return _token_stats(logits, None, group, vocab_size, None, -100, need_sums=False, kernel=kernel).argmax
+
+
+@torch.no_grad()
+def vocab_parallel_argmax_stats(logits: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                                vocab_size: Optional[int] = None, kernel: Optional[str] = None) -> ArgmaxStats:
+    r"""The argmax of vocab-parallel ``logits [..., V_local]`` and whether each token's logits are finite:
+    no exp, **one** collective.
+
+    The argmax is :func:`vocab_parallel_argmax`'s. ``finite`` is the test the
+    entropy of :func:`vocab_parallel_token_stats` makes (``isfinite(H)``) without
+    computing it: a NaN or ``+inf`` is the local maximum ``m_r``, a ``-inf`` is
+    the local minimum; a rank whose shard holds a ``-inf`` puts a NaN in place of
+    its maximum, so the one all-reduce MAX of the keys gives a non-finite global
+    maximum exactly when some rank holds a non-finite logit (``float64``: or a
+    maximum beyond the float32 range, as in the full pass). The argmax of a
+    token that is not finite is unspecified (no metric scores it).
+    """
+    check_token_stats_inputs(logits, None, None)
+    lead_shape, cdtype = logits.shape[:-1], compute_dtype(logits.dtype)
+    shard = Shard(logits.shape[-1], group, vocab_size)
+    rows, order = as_token_rows(logits)
+    if rows.shape[0] == 0:  # a shape: every rank skips the collective together
+        return ArgmaxStats(torch.empty(lead_shape, dtype=torch.int64, device=logits.device),
+                           torch.empty(lead_shape, dtype=torch.bool, device=logits.device), shard.vocab_size)
+    one_rank = shard.group is None
+    local = calculate_local_pass(rows, shard, None, cdtype, None, False, kernel, flag_minus_inf=True,
+                                 with_keys=not one_rank)
+    if one_rank:  # the local maximum is the maximum: no key to pack (its float32 value, as a key would carry)
+        global_max, argmax = local.max.to(torch.float32), local.columns
+    else:
+        global_max, argmax = calculate_global_max(local.keys, shard)  # the one collective
+    return ArgmaxStats(restore_layout(argmax, lead_shape, order),
+                       restore_layout(torch.isfinite(global_max), lead_shape, order), shard.vocab_size)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor,
@@ -262,18 +307,22 @@ def empty_token_stats(lead_shape: torch.Size, cdtype: torch.dtype, device: torch
 
 class LocalPass(NamedTuple):
     """This rank's part of every token: its maximum ``m_r`` (None on a rank of padding columns only), the
-    int64 keys packing ``m_r`` and its global column (:mod:`.shard`), and ``stats [3, T]`` (S0, S1 relative
-    to ``m_r``, the label's logit or 0 off its owner; None without sums)."""
+    int64 keys packing ``m_r`` and its global column (:mod:`.shard`; None when not asked for), and
+    ``stats [3, T]`` (S0, S1 relative to ``m_r``, the label's logit or 0 off its owner; None without sums)."""
 
     max: Optional[torch.Tensor]
-    keys: torch.Tensor
+    keys: Optional[torch.Tensor]
     stats: Optional[torch.Tensor]
+    columns: Optional[torch.Tensor] = None  # the global column of ``max`` (argmax-only, one rank: no key)
 
 
 def calculate_local_pass(rows: torch.Tensor, shard: Shard, flat_labels: Optional[torch.Tensor], cdtype: torch.dtype,
-                         chunk_size: Optional[int], need_sums: bool, kernel: Optional[str]) -> LocalPass:
+                         chunk_size: Optional[int], need_sums: bool, kernel: Optional[str],
+                         flag_minus_inf: bool = False, with_keys: bool = True) -> LocalPass:
     """The local pass over this rank's real columns, by the implementation :func:`.choose_kernel` picks
-    (the torch loop or the Triton kernel: same outputs, same contract)."""
+    (the torch loop or the Triton kernel: same outputs, same contract). ``flag_minus_inf``: a token whose
+    real columns hold a ``-inf`` gets a NaN maximum, so that its key is non-finite too (the argmax-only pass);
+    without ``with_keys`` (one rank: nothing to all-reduce) the columns come unpacked instead of the keys."""
     n_tokens, device = rows.shape[0], rows.device
     stats = torch.zeros(3, n_tokens, dtype=cdtype, device=device) if need_sums else None
     if shard.n_valid == 0:  # this rank holds only padding columns
@@ -284,6 +333,10 @@ def calculate_local_pass(rows: torch.Tensor, shard: Shard, flat_labels: Optional
     else:
         local_max, local_col = torch_local_pass(rows, shard.n_valid, local_labels, stats, cdtype, chunk_size,
                                                 need_sums)
+    if flag_minus_inf:
+        local_max = local_max.masked_fill(rows[:, :shard.n_valid].amin(dim=-1) == float("-inf"), float("nan"))
+    if not with_keys:
+        return LocalPass(local_max.to(cdtype), None, stats, local_col + shard.start)
     keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
     return LocalPass(local_max.to(cdtype), keys, stats)
 

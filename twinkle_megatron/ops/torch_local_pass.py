@@ -57,6 +57,8 @@ def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch
     if chunk_size is None:
         chunk_size = default_chunk_size(device, n_cols)
     chunk_size = min(chunk_size, n_tokens)
+    # Without sums there is no working buffer to bound: the maxima are one op over all tokens.
+    pass_chunk = chunk_size if need_sums else n_tokens
     width = block_width(n_cols)
     n_full = n_cols // width if width else 0
     has_tail = bool(width) and n_full * width < n_cols
@@ -70,8 +72,8 @@ def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch
         # [0]: e^{x-m}, [1]: x-m then e^{x-m}(x-m); one sum over both gives (S0, S1).
         work = torch.empty(2, chunk_size, n_cols, dtype=cdtype, device=device)
 
-    for start in range(0, n_tokens, chunk_size):
-        stop = min(start + chunk_size, n_tokens)
+    for start in range(0, n_tokens, pass_chunk):
+        stop = min(start + pass_chunk, n_tokens)
         n = stop - start
         x = rows[start:stop]
         if cast:
@@ -97,7 +99,7 @@ def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch
 
     if need_sums:
         del work
-    columns = first_max_column(rows, block_max if width else None, width, chunk_size)
+    columns = first_max_column(rows, block_max if width else None, width, pass_chunk)
     return local_max.to(cdtype), columns
 
 
@@ -115,7 +117,8 @@ def first_max_column(rows: torch.Tensor, block_max: Optional[torch.Tensor], widt
     for start in range(0, n_tokens, step):
         stop = min(start + step, n_tokens)
         cols = (block[start:stop] * width).unsqueeze(1) + offsets
-        cols.clamp_(max=n_cols - 1)  # a short tail block repeats its last column; first hit wins
+        if n_cols % width:
+            cols.clamp_(max=n_cols - 1)  # a short tail block repeats its last column; first hit wins
         first = rows[start:stop].gather(1, cols).argmax(dim=-1, keepdim=True)
         torch.gather(cols, 1, first, out=columns[start:stop].unsqueeze(1))
     return columns
