@@ -11,28 +11,18 @@ import math
 import pytest
 import torch
 from kit.guards import forbid_host_sync
+from kit.moe_cases import routing_map, small_moe_metric
 
 from twinkle_megatron import keys
 from twinkle_megatron.metric.moe_routing import MoERoutingMetric
 
 
-def _metric(**kwargs) -> MoERoutingMetric:
-    return MoERoutingMetric(num_layers=3, num_experts=4, topk=2, **kwargs)
-
-
-def _routing_map(pairs) -> torch.Tensor:
-    routing_map = torch.zeros(len(pairs), 4, dtype=torch.bool)
-    for token, experts in enumerate(pairs):
-        routing_map[token, list(experts)] = True
-    return routing_map
-
-
 def test_formulas_on_a_hand_made_interval():
-    metric = _metric(per_layer=True)
+    metric = small_moe_metric(per_layer=True)
     # Layer 1 (row 0): 4 tokens, loads [3, 2, 2, 1]; layer 3 (row 2): loads [4, 4, 0, 0]; layer 2 unseen.
-    metric.record_routing(1, _routing_map([(0, 1), (0, 2), (0, 3), (1, 2)]))
+    metric.record_routing(1, routing_map([(0, 1), (0, 2), (0, 3), (1, 2)]))
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]] * 2 + [[10.0, 10.0, -30.0, -30.0]] * 2)
-    metric.record_routing(3, _routing_map([(0, 1)] * 4), logits=logits)
+    metric.record_routing(3, routing_map([(0, 1)] * 4), logits=logits)
     result = metric.calculate()
     assert result[keys.MOE_LAYERS] == 2 and result[keys.MOE_TOKENS] == 4.0
     b = 4 * 2 / 4
@@ -56,11 +46,11 @@ def test_formulas_on_a_hand_made_interval():
 
 
 def test_padding_and_nonfinite_logits_are_left_out_and_counted():
-    metric = _metric()
+    metric = small_moe_metric()
     padding = torch.tensor([False, True, False, True])
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [5.0, 1.0, 0.0, 0.0], [float("nan"), 0.0, 0.0, 0.0],
                            [float("inf"), 0.0, 0.0, 0.0]])
-    metric.record_routing(2, _routing_map([(0, 1), (2, 3), (0, 2), (2, 3)]), logits=logits, padding_mask=padding)
+    metric.record_routing(2, routing_map([(0, 1), (2, 3), (0, 2), (2, 3)]), logits=logits, padding_mask=padding)
     result = metric.calculate()
     assert result[keys.MOE_TOKENS] == 2.0, "padding tokens are not counted"
     assert result[keys.MOE_UTILIZATION_MIN] == 0.0  # loads [2, 1, 1, 0]: expert 3 only had padding
@@ -70,17 +60,17 @@ def test_padding_and_nonfinite_logits_are_left_out_and_counted():
 
 
 def test_ties_percentiles_and_worst_layer():
-    metric = _metric()
+    metric = small_moe_metric()
     for layer in (1, 2, 3):
-        metric.record_routing(layer, _routing_map([(0, 1), (0, 1)]))  # every layer: loads [2, 2, 0, 0]
+        metric.record_routing(layer, routing_map([(0, 1), (0, 1)]))  # every layer: loads [2, 2, 0, 0]
     result = metric.calculate()
     assert result[keys.MOE_IMBALANCE_WORST_LAYER] == 0, "ties go to the lowest layer"
     assert result[keys.MOE_IMBALANCE_P50] == result[keys.MOE_IMBALANCE_P90] == 2.0
 
 
 def test_router_losses_are_weighted_by_their_reduce_group():
-    metric = _metric()
-    metric.record_routing(1, _routing_map([(0, 1)]))
+    metric = small_moe_metric()
+    metric.record_routing(1, routing_map([(0, 1)]))
     # Two ranks of one TP×CP group each hold half of a microbatch's loss 1.2; another microbatch: 0.8.
     metric.record_router_loss("load_balancing_loss", 1, torch.tensor(0.5, dtype=torch.float64), 0.5)
     metric.record_router_loss("load_balancing_loss", 1, 0.7, 0.5)
@@ -93,7 +83,7 @@ def test_router_losses_are_weighted_by_their_reduce_group():
 
 
 def test_bad_input_raises_with_both_shapes():
-    metric = _metric()
+    metric = small_moe_metric()
     with pytest.raises(ValueError, match=r"routing_map has shape \(3, 5\), expected \[tokens, 4\]"):
         metric.record_routing(1, torch.zeros(3, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="padding_mask has shape"):
@@ -105,12 +95,12 @@ def test_bad_input_raises_with_both_shapes():
 
 
 def test_resume_continues_the_interval():
-    metric = _metric()
-    metric.record_routing(1, _routing_map([(0, 1), (0, 2)]))
+    metric = small_moe_metric()
+    metric.record_routing(1, routing_map([(0, 1), (0, 2)]))
     saved = metric.state_dict()
-    resumed = _metric()
+    resumed = small_moe_metric()
     resumed.load_state_dict(saved)
-    resumed.record_routing(1, _routing_map([(2, 3), (1, 3)]))
+    resumed.record_routing(1, routing_map([(2, 3), (1, 3)]))
     assert torch.equal(saved["states"]["load"][0], torch.tensor([2.0, 1.0, 1.0, 0.0], dtype=torch.float64)), \
         "the checkpoint is not changed by the resumed run"
     assert resumed.calculate()[keys.MOE_IMBALANCE_MAX] == 1.0  # loads [2, 2, 2, 2]
@@ -118,12 +108,12 @@ def test_resume_continues_the_interval():
 
 def _guarded_record(metric: MoERoutingMetric) -> None:
     with forbid_host_sync():
-        metric.record_routing(2, _routing_map([(0, 1), (1, 2)]), logits=torch.randn(2, 4),
+        metric.record_routing(2, routing_map([(0, 1), (1, 2)]), logits=torch.randn(2, 4),
                               padding_mask=torch.tensor([False, True]))
         metric.record_router_loss("z_loss", 2, torch.tensor(3.0), 1.0)
 
 
 def test_recording_makes_no_host_sync():
-    metric = _metric()
+    metric = small_moe_metric()
     _guarded_record(metric)
     assert metric.calculate()[keys.MOE_TOKENS] == 1.0

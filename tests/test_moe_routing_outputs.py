@@ -12,24 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from kit.moe_cases import routing_map, small_moe_metric
 from kit.readme import key_table
 
 from twinkle_megatron import keys
-from twinkle_megatron.metric.moe_routing import MoERoutingMetric
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _metric(**kwargs) -> MoERoutingMetric:
-    return MoERoutingMetric(num_layers=3, num_experts=4, topk=2, **kwargs)
-
-
-def _routing_map(pairs) -> torch.Tensor:
-    routing_map = torch.zeros(len(pairs), 4, dtype=torch.bool)
-    for token, experts in enumerate(pairs):
-        routing_map[token, list(experts)] = True
-    return routing_map
 
 
 # ------------------------------------------------------------------ the key table, the plot
@@ -44,12 +32,12 @@ def test_plot_draws_the_routing_panel_and_the_expert_load_heat_map(tmp_path):
     pytest.importorskip("matplotlib")
     from twinkle_megatron.cli import main
 
-    metric = _metric(per_layer=True)
+    metric = small_moe_metric(per_layer=True)
     log = tmp_path / "metrics.jsonl"
     with log.open("w") as file:
         for step in (1, 2):
-            metric.record_routing(1, _routing_map([(0, 1), (0, 2), (0, 3), (1, 2)]))
-            metric.record_routing(3, _routing_map([(0, 1)] * 4))
+            metric.record_routing(1, routing_map([(0, 1), (0, 2), (0, 3), (1, 2)]))
+            metric.record_routing(3, routing_map([(0, 1)] * 4))
             file.write(json.dumps({"step": step, "loss": 1.0 / step, **metric.calculate()}) + "\n")
     assert main(["plot", str(log), "-o", str(tmp_path / "plots")]) == 0
     written = {path.name for path in (tmp_path / "plots").iterdir()}
