@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -148,18 +149,44 @@ def _stopped_steps(output: Path) -> list[int]:
     return [int(step) for step in re.findall(r"\[train\] SIG\w+ received: stopped after step (\d+)", text)]
 
 
-def _job_processes(node: str) -> list[str]:
-    """Command lines of the processes on host ``node`` other than its slurmd (the job's, while it runs there)."""
+def _job_processes(node: str) -> dict[int, str]:
+    """pid → command line of the processes on host ``node`` other than its slurmd (the job's, while it runs)."""
     pids = subprocess.run(["ip", "netns", "pids", f"twmn-{node}"], capture_output=True, text=True).stdout.split()
-    lines = []
+    processes = {}
     for pid in pids:
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
         except OSError:
             continue  # ended meanwhile
         if command and not command.startswith("slurmd"):
-            lines.append(command)
-    return lines
+            processes[int(pid)] = command
+    return processes
+
+
+def _signal_job(nodes, signum: int) -> None:
+    for node in nodes:
+        for pid in _job_processes(node):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass  # ended meanwhile
+
+
+def _freeze_past_checkpoint(run_dir: Path, nodes, checkpoint: int, output: Path) -> tuple[int, int]:
+    """Freeze every process of the job (SIGSTOP) once a step past ``checkpoint`` is logged and before the
+    next checkpoint; returns (that checkpoint, the last step logged). A tiny model's steps take a fraction of
+    a second on an idle machine: without the freeze, the steps run between seeing the log and cutting the
+    cable may reach the next checkpoint, and the loss would no longer fall between two checkpoints."""
+    while checkpoint + SAVE_INTERVAL <= STEPS:
+        _wait(f"a step past checkpoint {checkpoint}",
+              lambda past=checkpoint: (records := _records(run_dir)) and records[-1]["step"] > past, output)
+        _signal_job(nodes, signal.SIGSTOP)
+        logged = _records(run_dir)[-1]["step"]
+        if logged < checkpoint + SAVE_INTERVAL:
+            return checkpoint, logged
+        _signal_job(nodes, signal.SIGCONT)  # ran past the next checkpoint meanwhile: aim at the one after
+        checkpoint = logged // SAVE_INTERVAL * SAVE_INTERVAL
+    pytest.fail(f"the run is too short for a loss between checkpoints (last: {checkpoint})")
 
 
 @pytest.fixture(scope="module")
@@ -237,15 +264,15 @@ def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(
     # 3. A host lost mid-run, one step past a checkpoint (SAVE_INTERVAL - 1 steps before the next, which leaves
     #    time to act): the host of rank 0 (the batch script, the rendezvous store, the log writer) vanishes:
     #    its cable is cut, every process on it killed.
-    checkpoint = (second_stop // SAVE_INTERVAL + 1) * SAVE_INTERVAL
-    assert checkpoint + SAVE_INTERVAL <= STEPS, (second_stop, "the run is too short for a loss between checkpoints")
-    _wait("a checkpoint after the second resume", lambda: _running_past(job_id, run_dir, 2, checkpoint), output)
+    _wait("the job running after the second resume", lambda: _running_past(job_id, run_dir, 2, second_stop), output)
     hosts = json.loads((run_dir / "hosts.json").read_text())["hosts"]
     lost_node = hosts[0]
     survivor = next(host for host in hosts if host != lost_node)
+    checkpoint, logged_before_loss = _freeze_past_checkpoint(
+        run_dir, {lost_node, survivor}, (second_stop // SAVE_INTERVAL + 1) * SAVE_INTERVAL, output)
     _cluster("lose-node", lost_node)
     lost = time.monotonic()
-    logged_before_loss = _records(run_dir)[-1]["step"]
+    _signal_job([survivor], signal.SIGCONT)
     # The survivors wait in gloo for a peer that never answers: Slurm must end them, well before gloo would.
     bound = 2 * NODE_TIMEOUT + KILL_WAIT + 60  # detection, KillWait, and slack for a loaded machine
     _wait("the job to be requeued after the node loss", lambda: int(_job(job_id)["Restarts"]) == 3, output,
