@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from ..metric.groups import TokenGroups, token_groups
-from ..metric.inputs import token_mask
 from ..metric.logits_pass import classify_tokens
+from ..metric.tensors import token_mask
 from ..ops import TokenStats
 from ..parallel import ParallelContext
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Number, SyncedStates
-from .inputs import to_device
 from .logits_metric import LogitsMetric
+from .tensors import to_device
 
 
 class Accuracy(LogitsMetric):

@@ -22,7 +22,8 @@ from typing import Any, Mapping
 import torch
 
 from .base import Metric, Number, SyncedStates
-from .inputs import call_value, to_device
+from .inputs import call_value
+from .tensors import to_device
 
 GENERATE_TIME = "profiling/Time taken: generate"
 WEIGHT_SYNC_TIME = "profiling/Time taken: move_model_to_sampler"

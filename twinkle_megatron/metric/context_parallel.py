@@ -20,15 +20,13 @@ the single-process one either way.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from ..parallel import ParallelContext
 
 SequenceTensors = dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, its sequence dimension)
-GROUP_IDS = "group_ids"  # the key of per-token group ids in a CP alignment
 
 
 class CPAlignment(NamedTuple):
@@ -36,34 +34,12 @@ class CPAlignment(NamedTuple):
 
     tensors: dict[str, torch.Tensor]
     cp_gathered: bool  # every tensor holds whole sequences: count on CP rank 0 only, no CP partial sums
-
-    def counts_here(self, context: ParallelContext) -> bool:
-        """Whether this rank adds the microbatch to its states (complete data: CP rank 0 only)."""
-        return not self.cp_gathered or context.cp_rank == 0
+    counts_here: bool  # this rank adds the microbatch to its states (complete data: CP rank 0 only)
+    positions: Optional[torch.Tensor] = None  # each local position's in the whole row, when asked for
 
 
-def per_token_tensors(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None, group_ids: Any = None,
-                      first: Optional[SequenceTensors] = None,
-                      more: Optional[SequenceTensors] = None) -> SequenceTensors:
-    """The tensors of one microbatch that :func:`align_to_cp_rank` matches, by name: ``first`` (the metric's own:
-    logits, losses), ``labels``, ``completion_mask`` when given, ``more``, and ``group_ids`` when they are per
-    token (shaped like labels of more than one dimension; per-sample ids need no matching). The sequence
-    dimension is the last one, except in ``first`` and ``more`` (given with theirs).
-    :func:`aligned_group_ids` takes the group ids back out of the alignment."""
-    tensors: SequenceTensors = dict(first or {})
-    tensors["labels"] = (labels, labels.dim() - 1)
-    if completion_mask is not None:
-        tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
-    tensors.update(more or {})
-    if isinstance(group_ids, torch.Tensor) and group_ids.dim() == labels.dim() > 1:
-        tensors[GROUP_IDS] = (group_ids, group_ids.dim() - 1)
-    return tensors
-
-
-def aligned_group_ids(aligned: CPAlignment, group_ids: Any) -> Any:
-    """The group ids after :func:`align_to_cp_rank`: per token ones as matched (taken out of ``aligned.tensors``,
-    so that only the metric's tensors stay there), per-sample ones (or None) as given."""
-    return aligned.tensors.pop(GROUP_IDS, group_ids)
+def _alignment(tensors: dict[str, torch.Tensor], cp_gathered: bool, context: ParallelContext) -> CPAlignment:
+    return CPAlignment(tensors, cp_gathered, not cp_gathered or context.cp_rank == 0)
 
 
 def this_rank_chunks(tensor: torch.Tensor, dim: int, context: ParallelContext) -> torch.Tensor:
@@ -95,7 +71,7 @@ def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gath
     """
     plain = {name: tensor for name, (tensor, _) in tensors.items()}
     if context.cp_size == 1 or not tensors:
-        return CPAlignment(plain, cp_gathered=True)
+        return _alignment(plain, True, context)
     cp = context.cp_size
     lengths = {name: tensor.shape[dim] for name, (tensor, dim) in tensors.items()}
     shortest, longest = min(lengths.values()), max(lengths.values())
@@ -104,7 +80,7 @@ def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gath
             gathered = local_length is not None and shortest == cp * local_length
         else:
             gathered = cp_gathered
-        return CPAlignment(plain, gathered)
+        return _alignment(plain, gathered, context)
     described = ", ".join(f"{name} {length}" for name, length in lengths.items())
     if longest != cp * shortest or any(length not in (shortest, longest) for length in lengths.values()):
         raise ValueError(f"per-token tensors of one microbatch have sequence lengths {described}; under context "
@@ -118,28 +94,28 @@ def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gath
                          "leave cp_gathered unset to have the whole ones cut to this rank's chunks")
     aligned = {name: this_rank_chunks(tensor, dim, context) if lengths[name] == longest else tensor
                for name, (tensor, dim) in tensors.items()}
-    return CPAlignment(aligned, cp_gathered=False)
+    return _alignment(aligned, False, context)
 
 
-def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, cp_gathered: bool) -> torch.Tensor:
-    """``tensor`` summed over the CP group when each CP rank holds chunks of the sequences.
-
-    One all-reduce (no host sync) when ``cp_size > 1`` and the data is not
-    ``cp_gathered``; otherwise ``tensor`` itself. Every CP rank of the group must
-    call it for the same microbatch, as every CP rank runs the same microbatches.
-    """
-    if context.cp_size == 1 or cp_gathered or not context.distributed:
-        return tensor
-    tensor = tensor.contiguous().clone()
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=context.cp_group)
-    return tensor
-
-
-def once_per_sequence(context: ParallelContext, cp_gathered: bool) -> float:
-    """The weight (1.0 or 0.0) of a sequence-level value completed by :func:`sum_over_context_parallel`, so
-    that each sequence counts once: after the sum every CP rank holds it, so CP rank 0 alone counts it;
-    ``cp_gathered`` data reaches the metric's states on CP rank 0 only already (:meth:`CPAlignment.counts_here`)."""
-    return 1.0 if cp_gathered or context.cp_rank == 0 else 0.0
+def align_microbatches(microbatches: Sequence[SequenceTensors], batches: Sequence[Any], context: ParallelContext,
+                       cp_gathered: Optional[bool], matched: Sequence[bool], positions: bool = False
+                       ) -> list[CPAlignment]:
+    """Stage 3 of the input pipeline (:mod:`.microbatch_view`): :func:`align_to_cp_rank` for each ``matched``
+    microbatch of a call (``batches``: their inputs, for the local length of :func:`local_sequence_length`);
+    the others' tensors as given, complete as ``cp_gathered`` declares (statistics a hook computed from this
+    rank's logits). With each token's position in the whole row (:func:`global_positions`) when ``positions``."""
+    aligned = []
+    for tensors, batch, match in zip(microbatches, batches, matched):
+        if match:
+            cp = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
+        else:
+            cp = _alignment({name: tensor for name, (tensor, _) in tensors.items()}, bool(cp_gathered), context)
+        if positions:
+            labels = cp.tensors["labels"]
+            cp = CPAlignment(cp.tensors, cp.cp_gathered, cp.counts_here,
+                             global_positions(labels.shape[-1], context, cp.cp_gathered, labels.device))
+        aligned.append(cp)
+    return aligned
 
 
 def global_positions(local_length: int, context: ParallelContext, cp_gathered: bool,

@@ -28,11 +28,15 @@ from typing import Any
 import torch
 
 from .base import Metric, Number, SyncedStates
-from .context_parallel import once_per_sequence, sum_over_context_parallel
-from .inputs import call_value, given, to_device, with_call_values
-from .sequences import SequenceBatch, as_rows, sequence_batches
+from .inputs import call_value, given
+from .microbatch_view import MicrobatchView, ViewSpec, microbatch_views
+from .sequence_totals import once_per_sequence, sum_over_context_parallel
+from .tensors import to_device
 
 PAIR_LAYOUTS = ("interleaved", "halves")
+
+
+REF_LOGPS = "ref_outputs['logps']"
 
 
 class DPOMetric(Metric):
@@ -103,9 +107,12 @@ class DPOMetric(Metric):
         ref_outputs = call_value("ref_outputs", kwargs, outputs)
         ref_logps = ref_outputs.get("logps") if ref_outputs is not None else None
         ref_logps = ref_logps if given(ref_logps) else call_value("ref_logps", kwargs, outputs)
-        source = with_call_values({"logps": outputs["logps"], "ref_logps": ref_logps}, kwargs, outputs, ("group_ids",))
-        batches = sequence_batches(inputs, source, "logps", ("ref_logps",), {}, self.context, self.cp_gathered,
-                                   "DPOMetric", extra=_reference_logps, group_ids=self.group_ids_of)
+        # The reference log-probs under the name a user knows them by (error messages say it).
+        source = {"logps": outputs["logps"], REF_LOGPS: ref_logps, "group_ids": outputs.get("group_ids")}
+        spec = ViewSpec("DPOMetric", "logps", per_token=(REF_LOGPS,), ignore_index=self.ignore_index,
+                        cp_gathered=self.cp_gathered,
+                        group_key=self.group_key if self.group_names else None)
+        batches = microbatch_views(inputs, source, kwargs, spec, self.context)
         for index, batch in enumerate(batches):  # all checks before any state changes
             sequences = batch.sequence_count
             if sequences % 2:
@@ -115,13 +122,13 @@ class DPOMetric(Metric):
             if batch.counts_here:
                 self._accumulate_microbatch(batch, layout)
 
-    def _accumulate_microbatch(self, batch: SequenceBatch, layout: str) -> None:
+    def _accumulate_microbatch(self, batch: MicrobatchView, layout: str) -> None:
         logps = batch.tensors["logps"]
         device = logps.device
-        mask = batch.token_mask("logps", self.ignore_index)
+        mask = batch.mask
         zero = torch.zeros((), dtype=torch.float64, device=device)
         policy = logps.to(torch.float64)
-        ref = batch.tensors.get("ref_outputs['logps']")
+        ref = batch.tensors.get(REF_LOGPS)
         ref = to_device(ref, device).to(torch.float64) if ref is not None else None
         finite = torch.isfinite(policy) if ref is None else torch.isfinite(policy) & torch.isfinite(ref)
         tokens = batch.sequence_sum(mask.to(torch.float64))  # per row, or per packed sub-sequence
@@ -184,11 +191,6 @@ class DPOMetric(Metric):
                 "rewards/accuracies": states["correct_pairs"] / ref_pairs,
             })
         return results
-
-
-def _reference_logps(batch: Any, output: Any, labels: torch.Tensor) -> dict:
-    ref = output.get("ref_logps")
-    return {} if ref is None else {"ref_outputs['logps']": (as_rows(ref), 1)}
 
 
 def _check_layout(layout: str) -> str:

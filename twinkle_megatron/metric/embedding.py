@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from .base import Metric, Number, SyncedStates
-from .inputs import call_value, given, microbatches, to_device
+from .inputs import call_value, given, microbatches
 from .resume import holds_loaded_sums
+from .tensors import to_device
 
 
 class EmbeddingMetric(Metric):

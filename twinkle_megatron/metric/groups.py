@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from .inputs import to_device
+from .tensors import to_device
 
 GROUPED_SUFFIX = "/groups"
 POSITIONS_SUFFIX = "/positions"

@@ -47,14 +47,14 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .base import Metric, Number, SyncedStates
-from .context_parallel import global_positions
 from .high_kl_records import HighKLRecords, global_top_kl, saved_state
-from .inputs import call_value, check_same_shape, given, to_device, with_call_values
+from .inputs import call_value, given
 from .keywords import check_layout_declared
-from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_stats
+from .logits_pass import check_vocab_size, logits_token_stats
+from .microbatch_view import MicrobatchView, ViewSpec, logits_sequence_dim, microbatch_views
 from .resume import holds_loaded_sums
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
-from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
+from .tensors import as_rows, check_same_shape, to_device
 
 
 class GRPOMetric(Metric):
@@ -153,27 +153,24 @@ class GRPOMetric(Metric):
         are per-call values (keyword first, then ``outputs``, then the constructor's)."""
         if outputs is None or not given(outputs.get("logps")):
             return
-        old_logps = call_value("old_logps", kwargs, outputs)
-        advantages = call_value("advantages", kwargs, outputs)
-        per_sequence = {"old_logps": old_logps, "advantages": advantages,
-                        "rollout_logps": call_value("rollout_logps", kwargs, outputs)}
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        source = with_call_values(outputs, kwargs, outputs, ("group_ids",))
-        batches = sequence_batches(inputs, source, "logps", ("entropies", "logits", "token_stats"),
-                                   per_sequence, self.context,
-                                   self.cp_gathered, type(self).__name__, extra=self._per_token_extras,
-                                   group_ids=self.group_ids_of, ignore_index=self.ignore_index)
-        for batch in batches:
-            if self.top_k_kl > 0:  # raises for an odd CP chunk pair, before any state changes
-                global_positions(batch.tensors["logps"].shape[-1], self.context, batch.cp_gathered)
-            stats = batch.output.get("token_stats")
-            if stats is not None and "entropies" not in batch.tensors:
-                check_same_shape("logps", batch.tensors["logps"], "token_stats", as_rows(stats.entropy))
-        for batch in batches:
-            if batch.counts_here:
-                self._accumulate_microbatch(batch, vocab_size, layout)
-        self._high_kl.end_call(sum(batch.sequence_count for batch in batches))
+        # Advantages count only next to old log-probs: without these, they are not read at all.
+        with_old = given(kwargs.get("old_logps")) or given(outputs.get("old_logps"))
+        spec = ViewSpec(type(self).__name__, "logps", per_token=("entropies",), paired=("logits", "token_stats"),
+                        per_sequence=("old_logps", "advantages", "rollout_logps") if with_old else ("rollout_logps",),
+                        positions=self.top_k_kl > 0 or self.position_buckets is not None,
+                        ignore_index=self.ignore_index, cp_gathered=self.cp_gathered,
+                        group_key=self.group_key if self.group_names else None)
+        views = microbatch_views(inputs, outputs, kwargs, spec, self.context)
+        for view in views:  # every check before any state changes
+            stats = view.output.get("token_stats")
+            if stats is not None and "entropies" not in view.tensors:
+                check_same_shape("logps", view.tensors["logps"], "token_stats", as_rows(stats.entropy))
+        for view in views:
+            if view.counts_here:
+                self._accumulate_microbatch(view, vocab_size, layout)
+        self._high_kl.end_call(sum(view.sequence_count for view in views))
 
     def token_statistics_for(self, outputs: Any) -> tuple[str, ...]:
         """None of the logits' statistics when the call brings ``entropies`` (Twinkle's model forward computes
@@ -182,14 +179,7 @@ class GRPOMetric(Metric):
             return ()
         return self.token_statistics
 
-    @staticmethod
-    def _per_token_extras(batch: Any, output: Any, labels: torch.Tensor) -> dict:
-        """Given entropies are matched under CP with the log-probs."""
-        if output.get("entropies") is not None:
-            return {"entropies": (as_rows(output["entropies"]), 1)}
-        return {}
-
-    def _logits_for_entropy(self, batch: SequenceBatch, layout: Optional[str]) -> Optional[torch.Tensor]:
+    def _logits_for_entropy(self, batch: MicrobatchView, layout: Optional[str]) -> Optional[torch.Tensor]:
         """The microbatch's logits if they cover the same positions as its (aligned) log-probs.
 
         Logits are always this CP rank's chunks; log-probs gathered over CP
@@ -211,12 +201,11 @@ class GRPOMetric(Metric):
                           "gathered like the logps)", RuntimeWarning, stacklevel=4)
         return None
 
-    def _accumulate_microbatch(self, batch: SequenceBatch, vocab_size: Optional[int], layout: Optional[str]) -> None:
-        old, advantage = batch.per_sequence["old_logps"], batch.per_sequence["advantages"]
+    def _accumulate_microbatch(self, batch: MicrobatchView, vocab_size: Optional[int], layout: Optional[str]) -> None:
         logps = batch.tensors["logps"]
         device = logps.device
-        labels = to_device(batch.tensors["labels"], device)
-        mask = batch.token_mask("logps", self.ignore_index)
+        labels = to_device(batch.labels, device)
+        mask = batch.mask
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale
         finite = torch.isfinite(new)
@@ -224,24 +213,20 @@ class GRPOMetric(Metric):
         entropy = self._entropy(batch, labels, vocab_size, layout)
         if entropy is not None:
             finite &= torch.isfinite(entropy)
-        old_tokens = advantage_tokens = rollout = None
-        if batch.per_sequence["rollout_logps"] is not None:
-            rollout, misaligned = token_values(batch.per_sequence["rollout_logps"], mask)
+        rollout = batch.values.get("rollout_logps")
+        if rollout is not None:
             finite &= torch.isfinite(rollout)
-            self._add("misaligned_arrays", misaligned)
-        if old is not None:
-            old_tokens, misaligned = token_values(old, mask)
+        old_tokens = batch.values.get("old_logps")
+        if old_tokens is not None:
             old_tokens = old_tokens * scale
             finite &= torch.isfinite(old_tokens)
-            self._add("misaligned_arrays", misaligned)
-        if old is not None and advantage is not None:
-            advantage_tokens, misaligned = token_values(advantage, mask)
+        advantage_tokens = batch.values.get("advantages")
+        if advantage_tokens is not None:
             finite &= torch.isfinite(advantage_tokens)
-            self._add("misaligned_arrays", misaligned)
         self._add("misaligned_arrays", batch.misaligned_arrays)
         valid = mask & finite
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        positions = batch.positions(self.context) if self.position_buckets is not None else None
+        positions = batch.sequence_positions if self.position_buckets is not None else None
         groups = self._token_groups(batch.group_ids, mask, mask, positions)
         self._add("nonfinite_tokens", (mask & ~finite).sum())
         self._add_tokens("tokens", valid, groups)
@@ -275,10 +260,9 @@ class GRPOMetric(Metric):
             self._add_tokens("clip_high", high, clip_groups)
             self._add_tokens("clip_total", total, clip_groups)
         if self.top_k_kl > 0:
-            positions = global_positions(kl.shape[-1], self.context, batch.cp_gathered, kl.device)
-            self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, positions)
+            self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.positions)
 
-    def _entropy(self, batch: SequenceBatch, labels: torch.Tensor, vocab_size: Optional[int],
+    def _entropy(self, batch: MicrobatchView, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:
         """Per-token entropy shaped like ``labels``: given, or from the (vocab-parallel) logits."""
         if "entropies" in batch.tensors:
@@ -293,7 +277,7 @@ class GRPOMetric(Metric):
         return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
     def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(clipped low, clipped high, out of) per token (``[b, s]``), gated by the advantage sign.
 
         Subclasses may count per sequence instead (``[sequences]``): the caller sums either.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .context_parallel import once_per_sequence, sum_over_context_parallel
 from .grpo import GRPOMetric
-from .sequences import SequenceBatch
+from .microbatch_view import MicrobatchView
+from .sequence_totals import once_per_sequence, sum_over_context_parallel
 
 
 class GSPOMetric(GRPOMetric):
@@ -29,7 +29,7 @@ class GSPOMetric(GRPOMetric):
     """
 
     def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         weights = valid.to(torch.float64)
         partial = torch.stack([batch.sequence_sum(log_ratio * weights), batch.sequence_sum(weights),
                                batch.sequence_sum(advantages * weights)], -1)
@@ -53,7 +53,7 @@ class CISPOMetric(GRPOMetric):
     """
 
     def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ratio = torch.exp(log_ratio)
         low = valid & (ratio < 1 - self.epsilon)
         high = valid & (ratio > 1 + self.epsilon_high)

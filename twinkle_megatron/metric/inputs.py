@@ -21,6 +21,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from .tensors import token_mask
+
 MicroBatch = tuple[Mapping[str, Any], dict[str, Any]]
 
 
@@ -104,6 +106,16 @@ def with_call_values(source: Mapping[str, Any], kwargs: Mapping[str, Any], outpu
     with the microbatches like outputs (one value for the whole call, or one per microbatch)."""
     found = {name: call_value(name, kwargs, outputs) for name in names}
     return {**source, **{name: value for name, value in found.items() if value is not None}}
+
+
+def call_microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], kwargs: Mapping[str, Any],
+                      keys: Sequence[str], per_call: Sequence[str] = ()) -> tuple[list[MicroBatch], dict[str, Any]]:
+    """Stage 1 of the input pipeline (:mod:`.microbatch_view`): the call's microbatches, each paired with the
+    output ``keys`` present and its ``group_ids`` (the keyword first, then ``outputs``), and the per-call values
+    named in ``per_call`` (:func:`call_value`; None where not given)."""
+    values = {name: call_value(name, kwargs, outputs) for name in per_call}
+    source = with_call_values(outputs or {}, kwargs, outputs, ("group_ids",))
+    return microbatches(inputs, source, (*keys, "group_ids")), values
 
 
 def microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], keys: Sequence[str]) -> list[MicroBatch]:
@@ -221,29 +233,3 @@ def count_tokens(batch: Mapping[str, Any], ignore_index: int = -100) -> torch.Te
         labels = labels if isinstance(labels, torch.Tensor) else torch.as_tensor(labels)
         counts.append(token_mask(labels, part.get("completion_mask"), ignore_index).sum())
     return torch.stack(counts).sum()
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device``; a host-to-accelerator copy does not make the host wait for the device."""
-    if tensor.device == device:
-        return tensor
-    return tensor.to(device, non_blocking=tensor.device.type == "cpu")
-
-
-def token_mask(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None,
-               ignore_index: int = -100, real: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Tokens that count: ``labels != ignore_index``, ``completion_mask`` where given, and ``real`` where given
-    (the real tokens of packed rows: the padding between packed sequences never counts)."""
-    mask = labels != ignore_index
-    if completion_mask is not None:
-        check_same_shape("labels", labels, "completion_mask", completion_mask)
-        mask = mask & completion_mask.to(torch.bool)
-    if real is not None:
-        mask = mask & real.to(mask.device)
-    return mask
-
-
-def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
-    """``ValueError`` naming both tensors and shapes when the shapes differ (shapes only, no sync)."""
-    if tuple(a.shape) != tuple(b.shape):
-        raise ValueError(f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}")

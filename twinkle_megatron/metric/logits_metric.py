@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
+
+import torch
 
 from .base import Metric, Number, SyncedStates
-from .groups import TokenGroups
-from .inputs import call_value, microbatches, with_call_values
+from .groups import TokenSlices
+from .inputs import call_value
 from .keywords import check_layout_declared
-from .logits_pass import TokenBatch, TokenClasses, check_vocab_size, microbatch_token_stats, shared_token_classes
-from .positions import positions_where_needed
+from .logits_pass import Statistics, TokenClasses, check_vocab_size, logits_token_stats, shared_token_classes
+from .microbatch_view import ViewSpec, microbatch_views
+from .tensors import check_same_shape
+
+
+class TokenBatch(NamedTuple):
+    """One microbatch's labels (as the metric sees them, CP-matched) and their token statistics."""
+
+    labels: torch.Tensor
+    stats: Statistics
 
 
 class LogitsMetric(Metric):
@@ -41,9 +51,9 @@ class LogitsMetric(Metric):
         self.add_state("invalid_labels", "sum")
 
     def _token_batches(self, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
-                       ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenGroups]]]:
-        """(aligned microbatch, classes, partitions) for each microbatch that has logits or statistics and counts
-        here (partitions: groups and position buckets, see :meth:`Metric._token_groups`).
+                       ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenSlices]]]:
+        """(labels and statistics, classes, partitions) for each microbatch that has logits or statistics and
+        counts here (partitions: groups and position buckets, see :meth:`Metric._token_groups`).
 
         ``vocab_size``, ``logits_layout`` and ``group_ids`` are per-call values
         (keyword, then outputs, then the constructor's).
@@ -52,22 +62,27 @@ class LogitsMetric(Metric):
             return
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
         layout = call_value("logits_layout", kwargs, outputs, self.logits_layout)
-        source = with_call_values(outputs, kwargs, outputs, ("group_ids",))
-        for batch, output in microbatches(inputs, source, ("logits", "token_stats", "group_ids")):
-            if "logits" not in output and "token_stats" not in output:
+        spec = ViewSpec(type(self).__name__, "logits", paired=("token_stats",), instead=("token_stats",), rows=False,
+                        positions=self.position_buckets is not None, ignore_index=self.ignore_index,
+                        cp_gathered=self.cp_gathered, group_key=self.group_key if self.group_names else None,
+                        layout=layout)
+        views = microbatch_views(inputs, outputs, kwargs, spec, self.context)
+        for view in views:  # every check before any state changes
+            check_layout_declared(self, view.output.get("logits"), view.labels, layout)
+            stats = view.output.get("token_stats")
+            if stats is not None and "logits" not in view.tensors:
+                check_same_shape("labels", view.labels, "token_stats", stats.argmax)
+        for view in views:
+            if not view.counts_here:
                 continue
-            check_layout_declared(self, output.get("logits"), batch.get("labels"), layout)
-            aligned = microbatch_token_stats(batch, output, self.context, vocab_size, layout, self.ignore_index,
-                                             self.cp_gathered, self.group_ids_of(batch, output),
-                                             self.token_statistics)
-            if not aligned.counts_here:
-                continue
-            positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.cp_gathered,
-                                                     self.position_buckets)
-            mask, classes = shared_token_classes(aligned, self.ignore_index, real)
+            stats = view.output.get("token_stats") if "logits" not in view.tensors else logits_token_stats(
+                view.tensors["logits"], view.labels, self.context, vocab_size, layout, self.ignore_index,
+                cache_key=id(view.output["logits"]), statistics=self.token_statistics)
+            classes = shared_token_classes(stats, view.labels, view.mask)
             self._add("nonfinite_tokens", classes.nonfinite.sum())
             self._add("invalid_labels", classes.invalid_label.sum())
-            yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask, positions)
+            groups = self._token_groups(view.group_ids, classes.counted, view.mask, view.sequence_positions)
+            yield TokenBatch(view.labels, stats), classes, groups
 
     def _token_problems(self, states: SyncedStates) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

@@ -19,15 +19,14 @@ full pass (two TP collectives) serves every reader.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Union
+from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
 from ..ops import ArgmaxStats, TokenStats, vocab_parallel_argmax_stats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
 from .call_cache import call_values, sharing_call_values
-from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
-from .inputs import to_device, token_mask
+from .tensors import to_device
 
 LAYOUTS = ("bsv", "sbv")
 STATISTICS = ("argmax", "logprobs", "entropy")
@@ -103,17 +102,6 @@ def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: Para
     return stats
 
 
-class TokenBatch(NamedTuple):
-    """One microbatch of a logits-reading metric: labels and mask aligned with the statistics."""
-
-    labels: torch.Tensor
-    completion_mask: Optional[torch.Tensor]
-    stats: Statistics
-    counts_here: bool  # False on CP ranks other than 0 for data complete on every CP rank
-    group_ids: Any = None  # the microbatch's group ids, per token ones matched under CP like the labels
-    cp_gathered: bool = False  # whole sequences (gathered over CP); else this CP rank's chunks of them
-
-
 def transposed(stats: Statistics) -> Statistics:
     """The statistics of ``[s, b]`` tokens as ``[b, s]`` (the labels' layout)."""
     if isinstance(stats, ArgmaxStats):
@@ -126,56 +114,6 @@ def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     return vocab_size
-
-
-def microbatch_token_stats(batch: Mapping[str, Any], output: Mapping[str, Any], context: ParallelContext,
-                           vocab_size: Optional[int] = None, layout: Optional[str] = None,
-                           ignore_index: int = -100, cp_gathered: Optional[bool] = None,
-                           group_ids: Any = None, statistics: Iterable[str] = STATISTICS) -> TokenBatch:
-    """The token statistics of one microbatch, with its labels, mask and group ids aligned to them.
-
-    ``output['token_stats']`` when a hook already computed them (shaped like the
-    labels), else computed from ``output['logits']`` (this rank's vocab shard).
-    Under context parallelism, labels gathered over CP (Twinkle's Megatron model)
-    with this rank's logits, or the reverse, are cut to this rank's chunks
-    (:func:`.context_parallel.align_to_cp_rank`).
-    """
-    labels = batch.get("labels")
-    if labels is None:
-        raise ValueError("token statistics need inputs['labels']")
-    labels = labels if isinstance(labels, torch.Tensor) else torch.as_tensor(labels)
-    completion_mask = batch.get("completion_mask")
-    stats = output.get("token_stats")
-    if stats is not None:
-        if tuple(stats.argmax.shape) != tuple(labels.shape):
-            raise ValueError(f"labels has shape {tuple(labels.shape)} but token_stats has shape "
-                             f"{tuple(stats.argmax.shape)}")
-        return TokenBatch(labels, completion_mask, stats, True, group_ids, bool(cp_gathered))
-    logits = output["logits"]
-    tensors = per_token_tensors(labels, completion_mask, group_ids,
-                                first={"logits": (logits, logits_sequence_dim(logits, labels, layout))})
-    if logits.dim() == 2 and len({t.shape[d] for t, d in tensors.values()}) > 1:
-        raise ValueError(f"packed logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ in length: "
-                         "under context parallelism packed sequences are split per sequence, so pass the labels "
-                         "of this rank's chunks")
-    aligned = align_to_cp_rank(tensors, context, cp_gathered, local_sequence_length(batch))
-    group_ids = aligned_group_ids(aligned, group_ids)
-    labels, completion_mask = aligned.tensors["labels"], aligned.tensors.get("completion_mask")
-    if not aligned.counts_here(context):
-        return TokenBatch(labels, completion_mask, None, False, group_ids, aligned.cp_gathered)
-    stats = logits_token_stats(aligned.tensors["logits"], labels, context, vocab_size, layout, ignore_index,
-                               cache_key=id(logits), statistics=statistics)
-    return TokenBatch(labels, completion_mask, stats, True, group_ids, aligned.cp_gathered)
-
-
-def logits_sequence_dim(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str]) -> int:
-    """The logits' sequence dimension: 1 for ``[b, s, v]``, 0 for ``[s, b, v]`` and packed ``[t, v]``."""
-    if logits.dim() != 3 or labels.dim() != 2:
-        return 0
-    if layout is None and tuple(logits.shape[:2]) != tuple(labels.shape):
-        # Lengths may differ by the CP factor; the batch dimension tells the layout apart.
-        layout = "sbv" if logits.shape[1] == labels.shape[0] and logits.shape[0] != labels.shape[0] else "bsv"
-    return 0 if layout == "sbv" else 1
 
 
 class TokenClasses(NamedTuple):
@@ -208,21 +146,16 @@ def classify_tokens(stats: Statistics, mask: torch.Tensor, labels: Optional[torc
     return TokenClasses(counted, nonfinite, mask ^ counted ^ nonfinite)
 
 
-def shared_token_classes(batch: TokenBatch, ignore_index: int,
-                         real: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, TokenClasses]:
-    """``(mask, classes)`` of a microbatch, computed once per microbatch for all metrics of a collection.
-
-    ``real``: the real tokens of packed rows (the padding between packed sequences is never counted), None for
-    unpacked rows. Inside :func:`sharing_token_stats` the result is kept next to the statistics it was made from
-    (the same labels, mask, real tokens and statistics objects give the same classes).
-    """
-    key = ("classes", id(batch.stats), id(batch.labels), id(batch.completion_mask), id(real), ignore_index)
+def shared_token_classes(stats: Statistics, labels: torch.Tensor, mask: torch.Tensor) -> TokenClasses:
+    """The classes of a microbatch's counted tokens (``mask``: its view's), computed once per microbatch for all
+    metrics of a collection: inside :func:`sharing_token_stats` the result is kept next to the statistics it was
+    made from (the same statistics, labels and mask objects give the same classes)."""
+    key = ("classes", id(stats), id(labels), id(mask))
     cache = call_values()
     if cache is not None and key in cache:
-        return cache[key][:2]
-    mask = token_mask(batch.labels, batch.completion_mask, ignore_index, real)
-    result = (mask, classify_tokens(batch.stats, mask, batch.labels))
+        return cache[key][0]
+    classes = classify_tokens(stats, mask, labels)
     if cache is not None:
         # The keyed objects are kept with the entry: their ids cannot be reused while the block lasts.
-        cache[key] = (*result, batch.stats, batch.labels, batch.completion_mask, real)
-    return result
+        cache[key] = (classes, stats, labels, mask)
+    return classes

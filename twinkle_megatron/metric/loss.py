@@ -7,9 +7,9 @@ from typing import Any, Optional
 import torch
 
 from .base import Metric, Number, SyncedStates
-from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
-from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask, with_call_values
-from .positions import positions_where_needed
+from .inputs import call_value, count_tokens, microbatches, with_call_values
+from .microbatch_view import ViewSpec, microbatch_views
+from .tensors import to_device
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -141,22 +141,16 @@ class LossMetric(Metric):
     def _token_losses(self, batch: Any, loss: torch.Tensor, ids: Any) -> tuple:
         """Per-token losses matched under CP: (losses, counted finite tokens, counted non-finite tokens, group
         ids, positions); ``valid`` None off CP rank 0 for losses complete on every CP rank."""
-        labels = batch.get("labels")
-        if labels is None:
-            raise ValueError("per-token losses need inputs['labels'] to mask them")
-        tensors = per_token_tensors(labels, batch.get("completion_mask"), ids, first={"loss": (loss, loss.dim() - 1)})
-        aligned = align_to_cp_rank(tensors, self.context, self.cp_gathered, local_sequence_length(batch))
-        ids = aligned_group_ids(aligned, ids)
-        loss, labels = aligned.tensors["loss"], aligned.tensors["labels"]
-        check_same_shape("loss", loss, "labels", labels)
-        if not aligned.counts_here(self.context):
-            return loss, None, None, ids, None
-        positions, real = positions_where_needed(batch, labels, self.context, aligned.cp_gathered,
-                                                 self.position_buckets)
-        mask = to_device(token_mask(labels, aligned.tensors.get("completion_mask"), self.ignore_index, real),
-                         loss.device)
+        spec = ViewSpec("LossMetric", "loss", rows=False, positions=self.position_buckets is not None,
+                        ignore_index=self.ignore_index, cp_gathered=self.cp_gathered,
+                        group_key=None if ids is None else "group_ids")  # the ids given: the view matches them
+        view = microbatch_views(batch, {"loss": loss, "group_ids": ids}, {}, spec, self.context)[0]
+        loss = view.tensors["loss"]
+        if not view.counts_here:
+            return loss, None, None, view.group_ids, None
+        mask = to_device(view.mask, loss.device)
         valid = mask & torch.isfinite(loss)
-        return loss, valid, mask & ~valid, ids, positions
+        return loss, valid, mask & ~valid, view.group_ids, view.sequence_positions
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:

@@ -22,12 +22,12 @@ local token back to its sequence, its position in it, and whether it is real
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..parallel import ParallelContext
-from .inputs import to_device
+from .tensors import to_device
 
 
 class PackedSequences(NamedTuple):
@@ -102,3 +102,15 @@ def packed_sequences(cu_seqlens: tuple[torch.Tensor, torch.Tensor], local_length
         positions = offset
     real = (token < local_ends[-1]) & (positions < real_lengths[index])
     return PackedSequences(index, positions, real, count)
+
+
+def packed_microbatches(batches: Sequence[Any], lengths: Sequence[int], context: ParallelContext,
+                        cp_gathered: Sequence[bool], devices: Sequence[torch.device]
+                        ) -> list[Optional[PackedSequences]]:
+    """Stage 4 of the input pipeline (:mod:`.microbatch_view`): the sub-sequences of each packed microbatch of a
+    call (None for an unpacked one), from its ``cu_seqlens`` and its local row length after the CP alignment."""
+    packed = []
+    for batch, length, gathered, device in zip(batches, lengths, cp_gathered, devices):
+        cu_seqlens = packed_cu_seqlens(batch)
+        packed.append(None if cu_seqlens is None else packed_sequences(cu_seqlens, length, context, gathered, device))
+    return packed

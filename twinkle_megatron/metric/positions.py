@@ -23,14 +23,11 @@ are mapped back (:func:`.context_parallel.global_positions`); in a packed row
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from ..parallel import ParallelContext
-from .context_parallel import global_positions
 from .groups import POSITIONS_SUFFIX, TokenGroups
-from .packed import packed_cu_seqlens, packed_sequences
 
 
 class PositionBuckets(NamedTuple):
@@ -83,32 +80,3 @@ def position_buckets(buckets: Union[None, int, Sequence[int]], seq_length: Optio
                 or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
             raise ValueError(f"position_buckets edges must be at least two increasing ints >= 0, got {buckets!r}")
     return PositionBuckets(edges)
-
-
-def token_positions(batch: Any, like: torch.Tensor, context: ParallelContext, cp_gathered: bool
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(position of each token in its own sequence, real-token mask or None), broadcasting to ``like``'s shape
-    (positions of padded rows are one row: every row has the same).
-
-    ``like`` holds the microbatch's tokens as the metric sees them after the CP
-    alignment (``[b, s]`` or a packed ``[t]`` / ``[1, t]``); ``cp_gathered``: whole
-    sequences (no CP split, or gathered over CP). The mask is given for packed
-    rows only (padding between sequences is not real).
-    """
-    local_length = like.shape[-1] if like.dim() else 1
-    cu_seqlens = packed_cu_seqlens(batch)
-    if cu_seqlens is None:
-        positions = global_positions(local_length, context, cp_gathered, like.device)
-        return positions, None
-    if like.dim() == 2 and like.shape[0] != 1:
-        raise ValueError(f"a packed microbatch (cu_seqlens) holds one row of tokens, got shape {tuple(like.shape)}")
-    packed = packed_sequences(cu_seqlens, local_length, context, cp_gathered, like.device)
-    return packed.positions.reshape(like.shape), packed.real.reshape(like.shape)
-
-
-def positions_where_needed(batch: Any, like: torch.Tensor, context: ParallelContext, cp_gathered: bool,
-                           buckets: Optional[PositionBuckets]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """:func:`token_positions` when the metric has ``buckets`` or the microbatch is packed, else (None, None)."""
-    if buckets is None and packed_cu_seqlens(batch) is None:
-        return None, None
-    return token_positions(batch, like, context, cp_gathered)

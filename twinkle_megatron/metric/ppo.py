@@ -16,7 +16,7 @@ import torch
 
 from .base import Metric, Number, SyncedStates
 from .inputs import call_value, given
-from .sequences import SequenceBatch, sequence_batches, token_values
+from .microbatch_view import MicrobatchView, ViewSpec, microbatch_views
 
 _SUMS = ("tokens", "value_sum", "return_sum", "return_square_sum", "residual_sum", "residual_square_sum",
          "clipped", "advantage_tokens", "advantage_sum", "advantage_square_sum", "nonfinite_tokens",
@@ -79,24 +79,22 @@ class PPOValueMetric(Metric):
         if outputs is None or not given(outputs.get("values")) or per_sequence["old_values"] is None \
                 or per_sequence["returns"] is None:
             return
-        for batch in sequence_batches(inputs, outputs, "values", (), per_sequence, self.context, self.cp_gathered,
-                                      "PPOValueMetric", ignore_index=self.ignore_index):
-            if batch.counts_here:
-                self._accumulate_microbatch(batch)
+        spec = ViewSpec("PPOValueMetric", "values", per_sequence=tuple(name for name, value in per_sequence.items()
+                                                                       if value is not None),
+                        ignore_index=self.ignore_index, cp_gathered=self.cp_gathered)
+        for view in microbatch_views(inputs, outputs, kwargs, spec, self.context):
+            if view.counts_here:
+                self._accumulate_microbatch(view)
 
-    def _accumulate_microbatch(self, batch: SequenceBatch) -> None:
+    def _accumulate_microbatch(self, batch: MicrobatchView) -> None:
         values = batch.tensors["values"].to(torch.float64)
         device = values.device
-        mask = batch.token_mask("values", self.ignore_index)
+        mask = batch.mask
         finite = torch.isfinite(values)
         self._add("misaligned_arrays", batch.misaligned_arrays)
-        per_token = {}
-        for name, given_values in batch.per_sequence.items():
-            if given_values is None:
-                continue
-            per_token[name], misaligned = token_values(given_values, mask)
+        per_token = batch.values
+        for name in per_token:
             finite &= torch.isfinite(per_token[name])
-            self._add("misaligned_arrays", misaligned)
         valid = mask & finite
         zero = torch.zeros((), dtype=torch.float64, device=device)
 

@@ -1,0 +1,43 @@
+"""Small tensor helpers every stage of the input pipeline uses: device moves, shape checks, rows, the token mask.
+
+A leaf module (it imports nothing of the package), so that each stage of :mod:`.microbatch_view` can use
+them without reaching back into an earlier stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; a host-to-accelerator copy does not make the host wait for the device."""
+    if tensor.device == device:
+        return tensor
+    return tensor.to(device, non_blocking=tensor.device.type == "cpu")
+
+
+def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    """``ValueError`` naming both tensors and shapes when the shapes differ (shapes only, no sync)."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"{name_a} has shape {tuple(a.shape)} but {name_b} has shape {tuple(b.shape)}")
+
+
+def as_rows(tensor: Any) -> torch.Tensor:
+    """A per-token tensor as ``[sequences, length]`` (a packed ``[t]`` is one sequence)."""
+    tensor = tensor if isinstance(tensor, torch.Tensor) else torch.as_tensor(tensor)
+    return tensor.unsqueeze(0) if tensor.dim() == 1 else tensor
+
+
+def token_mask(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None,
+               ignore_index: int = -100, real: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Tokens that count: ``labels != ignore_index``, ``completion_mask`` where given, and ``real`` where given
+    (the real tokens of packed rows: the padding between packed sequences never counts)."""
+    mask = labels != ignore_index
+    if completion_mask is not None:
+        check_same_shape("labels", labels, "completion_mask", completion_mask)
+        mask = mask & completion_mask.to(device=mask.device, dtype=torch.bool)
+    if real is not None:
+        mask = mask & real.to(mask.device)
+    return mask
