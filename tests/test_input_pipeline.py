@@ -78,6 +78,7 @@ def test_token_metrics_and_sequence_metrics_each_enter_once():
         tm.Accuracy(position_buckets=[0, 2, 4]): ({"labels": labels}, {"logits": torch.randn(2, 4, 16)}, {}),
         tm.TokenStatsMetric(): ([{"labels": labels}] * 2, {"logits": [torch.randn(2, 4, 16)] * 2}, {}),
         tm.DPOMetric(): ({"labels": labels}, {"logps": -torch.rand(2, 4)}, {"ref_logps": -torch.rand(2, 4)}),
+        tm.LossMetric(position_buckets=[0, 2, 4]): ([{"labels": labels}] * 2, {"loss": [torch.rand(2, 4)] * 2}, {}),
         tm.PPOValueMetric(): ({"labels": labels}, {"values": torch.rand(2, 4)},
                               {"old_values": [0.5, 0.1], "returns": [[1.0, 2.0, 3.0, 4.0], [1.0] * 4]}),
     }

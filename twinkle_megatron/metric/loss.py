@@ -8,7 +8,7 @@ import torch
 
 from .base import Metric, Number, SyncedStates
 from .inputs import call_value, count_tokens, microbatches, with_call_values
-from .microbatch_view import ViewSpec, microbatch_views
+from .microbatch_view import ViewSpec, microbatch_views_of
 from .tensors import to_device
 
 _REDUCTIONS = ("mean", "sum")
@@ -96,61 +96,61 @@ class LossMetric(Metric):
         sliced = self.group_names or self.position_buckets is not None
         token_losses = outputs.get("token_losses") if sliced and hasattr(outputs, "get") else None
         given.update({} if token_losses is None else {"token_losses": token_losses})
+        per_token = []  # (inputs, outputs for the view, whether the losses only slice a microbatch's report)
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
             loss = self._as_state("loss_sum", output["loss"])
-            ids, positions = self.group_ids_of(batch, output), None  # a microbatch's value has no positions
-            if loss.numel() == 1:
-                loss = loss.reshape(())
-                valid = torch.isfinite(loss)
-                weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
-                          if reduction == "sum" else torch.ones_like(loss))
-                nonfinite = ~valid
-                if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
-                    self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)))
-                    self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)))
-                    self._add("nonfinite_losses", nonfinite.sum())
-                    self._add_group_token_losses(batch, output["token_losses"], ids)
-                    continue
-                if ids is not None and torch.as_tensor(ids).dim() > 0:
-                    raise ValueError("a loss value for the whole microbatch needs one group id for the whole "
-                                     "microbatch (or pass per-token losses with per-sample or per-token ids)")
-                # Invalid ids are counted in tokens (as every metric counts them): a mean's tokens from its labels.
-                grouped = self.group_names and ids is not None
-                counted = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
-            else:
-                loss, valid, nonfinite, ids, positions = self._token_losses(batch, loss, ids)
-                if valid is None:
-                    continue
-                weight = valid.to(torch.float64)
-                counted = valid | nonfinite
-            groups = self._token_groups(ids, valid, counted, positions)
-            self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)), groups)
+            ids = output.get("group_ids")
+            if loss.numel() > 1:
+                per_token.append((batch, {"loss": loss, "group_ids": ids}, False))
+                continue
+            ids = self.group_ids_of(batch, output)
+            loss = loss.reshape(())
+            valid = torch.isfinite(loss)
+            weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
+                      if reduction == "sum" else torch.ones_like(loss))
+            losses = torch.where(valid, loss, torch.zeros_like(loss))
+            self._add_tokens("loss_sum", losses)
+            self._add("nonfinite_losses", (~valid).sum())
+            if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
+                # The report is the total; the per-token losses next to it give the groups and buckets only.
+                self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)))
+                token_losses = self._as_state("loss_sum", output["token_losses"])
+                per_token.append((batch, {"loss": token_losses, "group_ids": output.get("group_ids")}, True))
+                continue
+            if ids is not None and torch.as_tensor(ids).dim() > 0:
+                raise ValueError("a loss value for the whole microbatch needs one group id for the whole "
+                                 "microbatch (or pass per-token losses with per-sample or per-token ids)")
+            # Invalid ids are counted in tokens (as every metric counts them): a mean's tokens from its labels.
+            grouped = self.group_names and ids is not None
+            counted = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
+            groups = self._token_groups(ids, valid, counted)
+            self._add_to_groups("loss_sum", losses, groups)
             self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)), groups)
-            self._add("nonfinite_losses", nonfinite.sum())
+        if per_token:
+            self._add_token_losses(per_token)
 
-    def _add_group_token_losses(self, batch: Any, token_losses: Any, ids: Any) -> None:
-        """Per-token losses next to a microbatch's report: the per-group sums only."""
-        losses, valid, nonfinite, ids, positions = self._token_losses(batch, self._as_state("loss_sum", token_losses),
-                                                                      ids)
-        if valid is None:
-            return
-        groups = self._token_groups(ids, valid, valid | nonfinite, positions)
-        self._add_to_groups("loss_sum", torch.where(valid, losses, torch.zeros_like(losses)), groups)
-        self._add_to_groups("weight", valid.to(torch.float64), groups)
-
-    def _token_losses(self, batch: Any, loss: torch.Tensor, ids: Any) -> tuple:
-        """Per-token losses matched under CP: (losses, counted finite tokens, counted non-finite tokens, group
-        ids, positions); ``valid`` None off CP rank 0 for losses complete on every CP rank."""
+    def _add_token_losses(self, per_token: list[tuple[Any, dict, bool]]) -> None:
+        """Per-token losses, matched under CP by the microbatches' views: Σ over the counted finite tokens, and
+        per slice; next to a microbatch's report (``True``), per slice only (the report has the total)."""
         spec = ViewSpec("LossMetric", "loss", rows=False, positions=self.position_buckets is not None,
                         ignore_index=self.ignore_index, cp_gathered=self.cp_gathered,
-                        group_key=None if ids is None else "group_ids")  # the ids given: the view matches them
-        view = microbatch_views(batch, {"loss": loss, "group_ids": ids}, {}, spec, self.context)[0]
-        loss = view.tensors["loss"]
-        if not view.counts_here:
-            return loss, None, None, view.group_ids, None
-        mask = to_device(view.mask, loss.device)
-        valid = mask & torch.isfinite(loss)
-        return loss, valid, mask & ~valid, view.group_ids, view.sequence_positions
+                        group_key=self.group_key if self.group_names else None)
+        views = microbatch_views_of([(batch, output) for batch, output, _ in per_token], spec, self.context)
+        for view, (_, _, slices_only) in zip(views, per_token):
+            if not view.counts_here:
+                continue
+            loss = view.tensors["loss"]
+            mask = to_device(view.mask, loss.device)
+            valid = mask & torch.isfinite(loss)
+            groups = self._token_groups(view.group_ids, valid, mask, view.sequence_positions)
+            losses, weight = torch.where(valid, loss, torch.zeros_like(loss)), valid.to(torch.float64)
+            if slices_only:
+                self._add_to_groups("loss_sum", losses, groups)
+                self._add_to_groups("weight", weight, groups)
+            else:
+                self._add_tokens("loss_sum", losses, groups)
+                self._add_tokens("weight", weight, groups)
+                self._add("nonfinite_losses", (mask & ~valid).sum())
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:

@@ -104,6 +104,18 @@ def _views(inputs: Any, outputs: Any, kwargs: Mapping[str, Any], spec: ViewSpec,
     # 1. The microbatches and the per-call values.
     pairs, per_call = call_microbatches(inputs, outputs, kwargs, (spec.anchor, *spec.per_token, *spec.paired),
                                         spec.per_sequence)
+    return _views_of(pairs, per_call, spec, context)
+
+
+def microbatch_views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], spec: ViewSpec,
+                        context: ParallelContext) -> list[MicrobatchView]:
+    """The views of microbatches a metric has already paired with their outputs (stage 1 done by the metric:
+    :class:`.LossMetric` reads its microbatch values first and hands on those with per-token losses)."""
+    return _views_of(pairs, {}, spec, context)
+
+
+def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call: dict[str, Any], spec: ViewSpec,
+              context: ParallelContext) -> list[MicrobatchView]:
     pairs = [(batch, output) for batch, output in pairs
              if spec.anchor in output or any(name in output for name in spec.instead)]
     given = [_as_given(batch, output, spec) for batch, output in pairs]
