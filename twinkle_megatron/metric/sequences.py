@@ -112,10 +112,13 @@ def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optiona
     """A list of per-sequence values on ``device``: the numbers (0 for arrays) as a ``[sequences]`` vector, and
     unless every entry is a number, ``(padded arrays [sequences, longest], lengths, is_scalar)``."""
     scalar_row = [_is_number(item) for item in values]
-    # Host values (Twinkle's lists) cross to the device in one copy; device tensors stay where they are.
-    scalars = _stack_on(device, [item if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)])
     if all(scalar_row):
-        return scalars, None
+        # Host values (Twinkle's lists) cross to the device in one copy; device tensors stay where they are.
+        return _stack_on(device, list(values)), None
+    if all(_host_number(item) if is_scalar else isinstance(item, list) and (not item or _host_number(item[0]))
+           for item, is_scalar in zip(values, scalar_row)):
+        return _host_lists_on(values, scalar_row, device)
+    scalars = _stack_on(device, [item if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)])
     arrays = [torch.as_tensor([] if is_scalar else item, dtype=torch.float64).reshape(-1)
               for item, is_scalar in zip(values, scalar_row)]
     lengths = to_device(torch.tensor([len(a) for a in arrays]), device)
@@ -128,11 +131,30 @@ def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optiona
     return scalars, (padded, lengths, to_device(torch.tensor(scalar_row), device))
 
 
+def _host_lists_on(values: Any, scalar_row: list[bool], device: torch.device) -> tuple[torch.Tensor, tuple]:
+    """Twinkle's form (Python lists of numbers, and numbers): padded on the host, then two copies to ``device``
+    (the arrays, and one ``[3, sequences]`` block of numbers, lengths and which entries are numbers)."""
+    lengths = [0 if is_scalar else len(item) for item, is_scalar in zip(values, scalar_row)]
+    longest = max(max(lengths), 1)
+    padded = [[0.0] * longest if is_scalar else [float(v) for v in item] + [0.0] * (longest - len(item))
+              for item, is_scalar in zip(values, scalar_row)]
+    numbers = [[float(item) if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)],
+               [float(length) for length in lengths], [float(is_scalar) for is_scalar in scalar_row]]
+    block = to_device(torch.tensor(numbers, dtype=torch.float64), device)
+    arrays = to_device(torch.tensor(padded, dtype=torch.float64), device)
+    return block[0], (arrays, block[1].to(torch.int64), block[2].to(torch.bool))
+
+
 def _stack_on(device: torch.device, items: list) -> torch.Tensor:
     """Numbers and 0-d tensors as one float64 vector on ``device`` (one copy for host numbers)."""
     if all(not isinstance(item, torch.Tensor) for item in items):
         return to_device(torch.tensor([float(item) for item in items], dtype=torch.float64), device)
     return torch.stack([torch.as_tensor(item, dtype=torch.float64).reshape(()).to(device) for item in items])
+
+
+def _host_number(item: Any) -> bool:
+    """A Python number (reading it costs no device sync)."""
+    return isinstance(item, (int, float)) and not isinstance(item, bool)
 
 
 def _is_number(item: Any) -> bool:
