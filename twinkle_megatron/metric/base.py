@@ -37,7 +37,8 @@ from .inputs import arrays_as_tensors, given
 from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
-from .sync import Number, SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
+from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
+from .token_sums import add_token_sums, maximum_token_values
 from .twinkle_base import twinkle_metric_base
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -219,22 +220,31 @@ class Metric(_Base):
 
     def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
         """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per slice to its twins."""
-        self._add(name, values.sum(dtype=torch.float64))
-        self._add_to_groups(name, values, groups)
+        self._add_token_sums({name: values}, groups=groups)
 
-    def _add_to_groups(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices]) -> None:
-        """Add Σ ``values`` per slice to ``name``'s twins only (``name`` itself has its total from elsewhere)."""
-        for part in groups or ():
-            if name + part.suffix in self._specs:
-                self._add(name + part.suffix, part.sum(values))
+    def _add_token_sums(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
+                        groups: Optional[TokenSlices] = None, totals: Optional[Mapping[str, torch.Tensor]] = None
+                        ) -> None:
+        """Add Σ over the tokens of each per-token tensor of ``sums`` (one shape) to its state, and per slice to
+        its twins; and each 0-d tensor of ``totals`` (a microbatch's counts) to its state. ``valid``: the counted
+        tokens; the others add 0, whatever their value. A fixed number of ops for any number of sums (one
+        stack, one mask, one reduction, one ``index_add`` per partition, one add: see :mod:`.token_sums`)."""
+        self._states = add_token_sums(self._states, self._specs, sums, valid, groups, totals)
+
+    def _add_to_groups(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+                       groups: Optional[TokenSlices]) -> None:
+        """:meth:`_add_token_sums` for the twins only (the states themselves have their totals from elsewhere)."""
+        self._states = add_token_sums(self._states, self._specs, sums, valid, groups, None, slices_only=True)
 
     def _maximum_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
         """Fold max ``values`` (per token, -inf where not counted) into ``name``, and per slice into its twins."""
-        if values.numel():
-            self._maximum(name, values.max())
-        for part in groups or ():
-            if name + part.suffix in self._specs:
-                self._maximum(name + part.suffix, part.max(values))
+        self._maximum_token_values({name: values}, groups=groups)
+
+    def _maximum_token_values(self, maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
+                              groups: Optional[TokenSlices] = None) -> None:
+        """Fold the max over the tokens of each per-token tensor of ``maxima`` (one shape) into its state, and
+        per slice into its twins; tokens not ``valid`` count as -inf. A fixed number of ops, as for sums."""
+        self._states = maximum_token_values(self._states, self._specs, maxima, valid, groups)
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
                       positions: Optional[torch.Tensor] = None) -> Optional[TokenSlices]:
@@ -386,10 +396,4 @@ class Metric(_Base):
         rank order: all data-parallel (and context-parallel) ranks' results,
         each once. One ``all_gather_object`` over the reduction group.
         """
-        context = self.context
-        mine = list(local_results) if self.counts_here() else []
-        if not context.distributed or context.reduce_size == 1:
-            return mine
-        gathered: list = [None] * context.reduce_size
-        dist.all_gather_object(gathered, mine, group=context.reduce_group)
-        return [item for rank_results in gathered for item in rank_results]
+        return gather_results(self, local_results)

@@ -225,56 +225,56 @@ class GRPOMetric(Metric):
         if entropy is not None:
             finite &= torch.isfinite(entropy)
         old_tokens = advantage_tokens = rollout = None
+        misaligned = batch.misaligned_arrays
         if batch.per_sequence["rollout_logps"] is not None:
-            rollout, misaligned = token_values(batch.per_sequence["rollout_logps"], mask)
+            rollout, misaligned_rollout = token_values(batch.per_sequence["rollout_logps"], mask)
             finite &= torch.isfinite(rollout)
-            self._add("misaligned_arrays", misaligned)
+            misaligned = misaligned_rollout + misaligned
         if old is not None:
-            old_tokens, misaligned = token_values(old, mask)
+            old_tokens, misaligned_old = token_values(old, mask)
             old_tokens = old_tokens * scale
             finite &= torch.isfinite(old_tokens)
-            self._add("misaligned_arrays", misaligned)
+            misaligned = misaligned_old + misaligned
         if old is not None and advantage is not None:
-            advantage_tokens, misaligned = token_values(advantage, mask)
+            advantage_tokens, misaligned_advantages = token_values(advantage, mask)
             finite &= torch.isfinite(advantage_tokens)
-            self._add("misaligned_arrays", misaligned)
-        self._add("misaligned_arrays", batch.misaligned_arrays)
+            misaligned = misaligned_advantages + misaligned
         valid = mask & finite
-        zero = torch.zeros((), dtype=torch.float64, device=device)
         positions = batch.positions(self.context) if self.position_buckets is not None else None
         groups = self._token_groups(batch.group_ids, mask, mask, positions)
-        self._add("nonfinite_tokens", (mask & ~finite).sum())
-        self._add_tokens("tokens", valid, groups)
-        self._add_tokens("new_logp_sum", torch.where(valid, new, zero), groups)
+        # Every per-token statistic of the microbatch, masked by ``valid`` and added together (see
+        # Metric._add_token_sums): a fixed number of ops however many there are.
+        sums: dict[str, torch.Tensor] = {"tokens": valid, "new_logp_sum": new}
+        maxima: dict[str, torch.Tensor] = {}
         if entropy is not None:
-            self._add_tokens("entropy_tokens", valid, groups)
-            self._add_tokens("entropy_sum", torch.where(valid, entropy.to(torch.float64), zero), groups)
+            sums.update(entropy_tokens=valid, entropy_sum=entropy)
         if rollout is not None:  # the log-probs as given: Δ is the engines' difference, not the temperature's
-            sums, magnitude = mismatch_terms(logps, rollout, valid, self.rollout_threshold)
-            for name, values in sums.items():
-                self._add_tokens(name, values, groups)
-            self._maximum_tokens(MISMATCH_MAX, magnitude, groups)
-        if old_tokens is None:
-            return
-
-        log_ratio = torch.where(valid, new - old_tokens, zero)
-        ratio = torch.exp(log_ratio)
-        kl = ratio - log_ratio - 1.0
-        self._add_tokens("old_tokens", valid, groups)
-        self._add_tokens("old_logp_sum", torch.where(valid, old_tokens, zero), groups)
-        self._add_tokens("logp_diff_sum", log_ratio, groups)
-        self._add_tokens("approx_kl_sum", torch.where(valid, kl, zero), groups)
-        minus_inf = torch.full((), float("-inf"), dtype=torch.float64, device=device)
-        self._maximum_tokens("token_kl_max", torch.where(valid, kl, minus_inf), groups)
-        self._maximum_tokens("token_ratio_max", torch.where(valid, ratio, minus_inf), groups)
-        if advantage_tokens is not None:
-            low, high, total = self.clip_counts(log_ratio, advantage_tokens, valid, batch)
-            # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
-            clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
-            self._add_tokens("clip_low", low, clip_groups)
-            self._add_tokens("clip_high", high, clip_groups)
-            self._add_tokens("clip_total", total, clip_groups)
-        if self.top_k_kl > 0:
+            mismatch_sums, maxima[MISMATCH_MAX] = mismatch_terms(logps, rollout, valid, self.rollout_threshold)
+            sums.update(mismatch_sums)
+        clips = None
+        if old_tokens is not None:
+            log_ratio = torch.where(valid, new - old_tokens, 0.0)
+            ratio = torch.exp(log_ratio)
+            kl = ratio - log_ratio - 1.0
+            sums.update(old_tokens=valid, old_logp_sum=old_tokens, logp_diff_sum=log_ratio, approx_kl_sum=kl)
+            maxima.update(token_kl_max=kl, token_ratio_max=ratio)
+            if advantage_tokens is not None:
+                clips = dict(zip(("clip_low", "clip_high", "clip_total"),
+                                 self.clip_counts(log_ratio, advantage_tokens, valid, batch)))
+                if clips["clip_total"].dim() == 2:  # token-level counts: with the other sums
+                    sums.update(clips)
+                    clips = None
+        counts = {"nonfinite_tokens": (mask & ~finite).sum(dtype=torch.float64)}
+        if isinstance(misaligned, torch.Tensor):  # a device count: added with the rest
+            counts["misaligned_arrays"] = misaligned
+        else:  # a host number (no per-sequence arrays): a kernel argument
+            self._add("misaligned_arrays", misaligned)
+        self._add_token_sums(sums, valid, groups, counts)
+        if maxima:
+            self._maximum_token_values(maxima, valid, groups)
+        if clips is not None:  # GSPO's per-sequence counts, each sequence in its group
+            self._add_token_sums(clips, None, groups.of_sequences() if groups is not None else None)
+        if self.top_k_kl > 0 and old_tokens is not None:
             positions = global_positions(kl.shape[-1], self.context, batch.cp_gathered, kl.device)
             self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, positions)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Mapping, Optional
 
+import torch
+
 from .base import Metric, Number, SyncedStates
 from .groups import TokenGroups
 from .inputs import call_value, microbatches, with_call_values
@@ -43,7 +45,8 @@ class LogitsMetric(Metric):
     def _token_batches(self, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
                        ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenGroups]]]:
         """(aligned microbatch, classes, partitions) for each microbatch that has logits or statistics and counts
-        here (partitions: groups and position buckets, see :meth:`Metric._token_groups`).
+        here (partitions: groups and position buckets, see :meth:`Metric._token_groups`). The metric adds the
+        classes' :meth:`problem_counts` with its own sums (one op for all, see :meth:`Metric._add_token_sums`).
 
         ``vocab_size``, ``logits_layout`` and ``group_ids`` are per-call values
         (keyword, then outputs, then the constructor's).
@@ -65,9 +68,13 @@ class LogitsMetric(Metric):
             positions, real = positions_where_needed(batch, aligned.labels, self.context, aligned.cp_gathered,
                                                      self.position_buckets)
             mask, classes = shared_token_classes(aligned, self.ignore_index, real)
-            self._add("nonfinite_tokens", classes.nonfinite.sum())
-            self._add("invalid_labels", classes.invalid_label.sum())
             yield aligned, classes, self._token_groups(aligned.group_ids, classes.counted, mask, positions)
+
+    @staticmethod
+    def problem_counts(classes: TokenClasses) -> dict[str, torch.Tensor]:
+        """The states ``nonfinite_tokens`` and ``invalid_labels`` -> their tokens of a microbatch (bool, per
+        token)."""
+        return {"nonfinite_tokens": classes.nonfinite, "invalid_labels": classes.invalid_label}
 
     def _token_problems(self, states: SyncedStates) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

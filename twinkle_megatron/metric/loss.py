@@ -8,6 +8,7 @@ import torch
 
 from .base import Metric, Number, SyncedStates
 from .context_parallel import align_to_cp_rank, aligned_group_ids, local_sequence_length, per_token_tensors
+from .groups import TokenSlices
 from .inputs import call_value, check_same_shape, count_tokens, microbatches, to_device, token_mask, with_call_values
 from .positions import positions_where_needed
 
@@ -106,9 +107,7 @@ class LossMetric(Metric):
                           if reduction == "sum" else torch.ones_like(loss))
                 nonfinite = ~valid
                 if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
-                    self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)))
-                    self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)))
-                    self._add("nonfinite_losses", nonfinite.sum())
+                    self._add_loss(loss, weight, valid, nonfinite, None)
                     self._add_group_token_losses(batch, output["token_losses"], ids)
                     continue
                 if ids is not None and torch.as_tensor(ids).dim() > 0:
@@ -123,10 +122,16 @@ class LossMetric(Metric):
                     continue
                 weight = valid.to(torch.float64)
                 counted = valid | nonfinite
-            groups = self._token_groups(ids, valid, counted, positions)
-            self._add_tokens("loss_sum", torch.where(valid, loss, torch.zeros_like(loss)), groups)
-            self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)), groups)
-            self._add("nonfinite_losses", nonfinite.sum())
+            self._add_loss(loss, weight, valid, nonfinite, self._token_groups(ids, valid, counted, positions))
+
+    def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
+                  groups: Optional[TokenSlices]) -> None:
+        """Add a microbatch's valid losses and weights (a value or per token) and its non-finite count, in one
+        op (see :meth:`Metric._add_token_sums`)."""
+        if weight.shape != loss.shape:  # a count given as [1] (or more) next to a microbatch's 0-d loss
+            weight = weight.sum()
+        self._add_token_sums({"loss_sum": loss, "weight": weight}, valid, groups,
+                             {"nonfinite_losses": nonfinite.sum(dtype=torch.float64)})
 
     def _add_group_token_losses(self, batch: Any, token_losses: Any, ids: Any) -> None:
         """Per-token losses next to a microbatch's report: the per-group sums only."""
@@ -135,8 +140,7 @@ class LossMetric(Metric):
         if valid is None:
             return
         groups = self._token_groups(ids, valid, valid | nonfinite, positions)
-        self._add_to_groups("loss_sum", torch.where(valid, losses, torch.zeros_like(losses)), groups)
-        self._add_to_groups("weight", valid.to(torch.float64), groups)
+        self._add_to_groups({"loss_sum": losses, "weight": valid}, valid, groups)
 
     def _token_losses(self, batch: Any, loss: torch.Tensor, ids: Any) -> tuple:
         """Per-token losses matched under CP: (losses, counted finite tokens, counted non-finite tokens, group
