@@ -34,8 +34,10 @@ class ManySums(tm.Metric):
         for name, value in zip(NAMES, values):
             self._add_tokens(name, torch.where(valid, value.to(torch.float64), 0.0), groups)
         self._add("count", count)
-        self._maximum_tokens("high", torch.where(valid, values[0].to(torch.float64), float("-inf")), groups)
-        self._maximum_tokens("low", torch.where(valid, -values[1].to(torch.float64), float("-inf")), groups)
+        self._maximum_token_values({"high": torch.where(valid, values[0].to(torch.float64), float("-inf"))}, None,
+                                   groups)
+        self._maximum_token_values({"low": torch.where(valid, -values[1].to(torch.float64), float("-inf"))}, None,
+                                   groups)
 
     def slices(self, shape):
         ids = torch.arange(shape[0]) % 3 - int(shape[0] == 4)  # one id out of range when there are four rows

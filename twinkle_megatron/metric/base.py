@@ -38,7 +38,7 @@ from .keywords import check_call, check_constructor_keywords, check_outputs_read
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
 from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
-from .token_sums import add_token_sums, maximum_token_values
+from .token_sums import add_in_place, add_token_sums, fold_into, maximum_token_values
 from .twinkle_base import twinkle_metric_base
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -159,7 +159,7 @@ class Metric(_Base):
         ``grouped``: also keep it per slice of each partition (see :mod:`.groups`):
         a ``[G, *shape]`` twin ``name/groups`` when the metric has ``group_names``,
         a ``[B, *shape]`` twin ``name/positions`` when it has ``position_buckets``;
-        :meth:`_add_tokens` and :meth:`_maximum_tokens` fill them all.
+        :meth:`_add_token_sums` and :meth:`_maximum_token_values` fill them all.
         """
         if reduce not in _IDENTITY:
             raise ValueError(f"state {name!r}: reduce must be one of {sorted(_IDENTITY)}, got {reduce!r}")
@@ -225,20 +225,19 @@ class Metric(_Base):
     def _add_token_sums(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
                         groups: Optional[TokenSlices] = None, totals: Optional[Mapping[str, torch.Tensor]] = None
                         ) -> None:
-        """Add Σ over the tokens of each per-token tensor of ``sums`` (one shape) to its state, and per slice to
-        its twins; and each 0-d tensor of ``totals`` (a microbatch's counts) to its state. ``valid``: the counted
-        tokens; the others add 0, whatever their value. A fixed number of ops for any number of sums (one
-        stack, one mask, one reduction, one ``index_add`` per partition, one add: see :mod:`.token_sums`)."""
+        """Add Σ over the tokens of each per-token tensor of ``sums`` (one shape) to its state, per slice to its
+        twins, and each tensor of ``totals`` (shaped like its state) to its state; tokens not ``valid`` add 0,
+        whatever their value. A fixed number of ops for any number of sums (see :mod:`.token_sums`)."""
         self._states = add_token_sums(self._states, self._specs, sums, valid, groups, totals)
+
+    def _add_totals(self, totals: Mapping[str, torch.Tensor]) -> None:
+        """Add each tensor of ``totals`` (shaped like its state) to its state, all in one op."""
+        self._states = fold_into(self._states, totals, add_in_place)
 
     def _add_to_groups(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
                        groups: Optional[TokenSlices]) -> None:
         """:meth:`_add_token_sums` for the twins only (the states themselves have their totals from elsewhere)."""
         self._states = add_token_sums(self._states, self._specs, sums, valid, groups, None, slices_only=True)
-
-    def _maximum_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
-        """Fold max ``values`` (per token, -inf where not counted) into ``name``, and per slice into its twins."""
-        self._maximum_token_values({name: values}, groups=groups)
 
     def _maximum_token_values(self, maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
                               groups: Optional[TokenSlices] = None) -> None:
