@@ -105,3 +105,61 @@ def test_states_follow_the_device_of_the_data_and_stay_float64():
                            None, None, {"count": torch.tensor(3)})
     assert {state.dtype for state in metric._states.values()} == {torch.float64}
     assert (metric._states["s0"], metric._states["s1"], metric._states["count"]) == (4.0, 4.0, 3.0)
+
+
+def rl_microbatches(seed: int):
+    """Two microbatches with groups, a rollout's log-probs, Twinkle's ragged old log-probs and advantages."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs, logps, entropies, old, rollout = [], [], [], [], []
+    for _ in range(2):
+        labels = torch.randint(0, 50, (3, 12), generator=generator)
+        labels[:, :3] = -100
+        inputs.append({"labels": labels, "dataset_id": torch.randint(0, 2, (3,), generator=generator)})
+        logps.append(-torch.rand(3, 12, generator=generator) * 3)
+        entropies.append(torch.rand(3, 12, generator=generator))
+        rollout.append(logps[-1] + 0.3 * torch.randn(3, 12, generator=generator))
+        old += [(row[keep] + 0.2 * torch.randn(int(keep.sum()), generator=generator)).tolist()
+                for row, keep in zip(logps[-1], labels >= 0)]
+    outputs = {"logps": logps, "entropies": entropies}
+    kwargs = {"old_logps": old, "advantages": torch.randn(6, generator=generator).tolist(), "rollout_logps": rollout}
+    return inputs, outputs, kwargs
+
+
+FAMILY = ("GRPOMetric", "GSPOMetric", "CISPOMetric", "PPOMetric")
+
+
+def family(**options):
+    return [getattr(tm, name)(group_names=["a", "b"], position_buckets=[0, 6, 12], top_k_kl=3, **options)
+            for name in FAMILY]
+
+
+def test_the_family_in_one_collection_equals_each_metric_alone():
+    together, alone = tm.MetricCollection(family()), family()
+    for seed in range(2):
+        call = rl_microbatches(seed)
+        together.accumulate(call[0], call[1], **call[2])
+        for metric in alone:
+            metric.accumulate(call[0], call[1], **call[2])
+    # The family's metrics report the same keys (a collection refuses two different values for one), so their
+    # states are compared: every sum, maximum and per-slice twin, and the top-K records.
+    for shared, own in zip(together.metrics, alone):
+        shared_state, own_state = shared.state_dict(), own.state_dict()
+        for name, value in own_state.pop("states").items():
+            torch.testing.assert_close(shared_state["states"][name], value, rtol=1e-12, atol=0, msg=name)
+        assert own_state and {k: v for k, v in shared_state.items() if k != "states"} == own_state
+
+
+def test_the_family_shares_its_terms_only_when_they_are_the_same(monkeypatch):
+    computed = []
+    terms = tm.GRPOMetric._token_terms
+    monkeypatch.setattr(tm.GRPOMetric, "_token_terms", lambda self, *args: computed.append(self) or terms(self, *args))
+    call = rl_microbatches(0)
+    tm.MetricCollection(family()).accumulate(call[0], call[1], **call[2])
+    assert len(computed) == 2  # once per microbatch for the four metrics
+    computed.clear()
+    # Another temperature scales the log-probs: its terms are its own, and its results are the ones it has alone.
+    hot, alone = tm.GRPOMetric(temperature=2.0), tm.GRPOMetric(temperature=2.0)
+    tm.MetricCollection([tm.GRPOMetric(), hot]).accumulate(call[0], call[1], **call[2])
+    assert len(computed) == 4
+    alone.accumulate(call[0], call[1], **call[2])
+    assert hot.calculate() == pytest.approx(alone.calculate(), rel=1e-12)

@@ -38,7 +38,7 @@ from .keywords import check_call, check_constructor_keywords, check_outputs_read
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
 from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
-from .token_sums import add_in_place, add_token_sums, fold_into, maximum_token_values
+from .token_sums import add_in_place, fold_into, max_totals, maximum_in_place, sum_totals
 from .twinkle_base import twinkle_metric_base
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -228,22 +228,24 @@ class Metric(_Base):
         """Add Σ over the tokens of each per-token tensor of ``sums`` (one shape) to its state, per slice to its
         twins, and each tensor of ``totals`` (shaped like its state) to its state; tokens not ``valid`` add 0,
         whatever their value. A fixed number of ops for any number of sums (see :mod:`.token_sums`)."""
-        self._states = add_token_sums(self._states, self._specs, sums, valid, groups, totals)
-
-    def _add_totals(self, totals: Mapping[str, torch.Tensor]) -> None:
-        """Add each tensor of ``totals`` (shaped like its state) to its state, all in one op."""
-        self._states = fold_into(self._states, totals, add_in_place)
+        self._fold_totals({**sum_totals(self._specs, sums, valid, groups), **(totals or {})})
 
     def _add_to_groups(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
                        groups: Optional[TokenSlices]) -> None:
         """:meth:`_add_token_sums` for the twins only (the states themselves have their totals from elsewhere)."""
-        self._states = add_token_sums(self._states, self._specs, sums, valid, groups, None, slices_only=True)
+        self._fold_totals(sum_totals(self._specs, sums, valid, groups, slices_only=True))
 
     def _maximum_token_values(self, maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
                               groups: Optional[TokenSlices] = None) -> None:
         """Fold the max over the tokens of each per-token tensor of ``maxima`` (one shape) into its state, and
         per slice into its twins; tokens not ``valid`` count as -inf. A fixed number of ops, as for sums."""
-        self._states = maximum_token_values(self._states, self._specs, maxima, valid, groups)
+        self._fold_totals({}, max_totals(self._specs, maxima, valid, groups))
+
+    def _fold_totals(self, sums: Mapping[str, torch.Tensor], maxima: Optional[Mapping[str, torch.Tensor]] = None
+                     ) -> None:
+        """Add each tensor of ``sums`` to its state, fold each of ``maxima`` into its state's max (each shaped like
+        its state): one op for all sums, one for all maxima (see :func:`.token_sums.fold_into`)."""
+        self._states = fold_into(fold_into(self._states, sums, add_in_place), maxima or {}, maximum_in_place)
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
                       positions: Optional[torch.Tensor] = None) -> Optional[TokenSlices]:

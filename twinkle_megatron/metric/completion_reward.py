@@ -135,7 +135,7 @@ class CompletionRewardMetric(Metric):
         slots = torch.tensor(list(values), device=device)
         rows = torch.zeros(4, self.max_reward_functions, dtype=torch.float64, device=device)
         rows.index_copy_(1, slots, torch.stack(per_slot, 1))
-        self._add_totals(dict(zip(("reward_sum", "reward_square_sum", "reward_count", "reward_nonfinite"),
+        self._fold_totals(dict(zip(("reward_sum", "reward_square_sum", "reward_count", "reward_nonfinite"),
                                   rows.unbind(0))))
 
     def _slot(self, name: str) -> int:

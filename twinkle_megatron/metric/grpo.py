@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from .base import Metric, Number, SyncedStates
+from .call_cache import shared_value
 from .context_parallel import global_positions
+from .groups import TokenSlices
 from .high_kl_records import HighKLRecords, global_top_kl, saved_state
 from .inputs import call_value, check_same_shape, given, to_device, with_call_values
 from .keywords import check_layout_declared
@@ -55,6 +57,34 @@ from .logits_pass import check_vocab_size, logits_sequence_dim, logits_token_sta
 from .resume import holds_loaded_sums
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
 from .sequences import SequenceBatch, as_rows, sequence_batches, token_values
+from .token_sums import max_totals, sum_totals
+
+
+def batch_identity(batch: SequenceBatch) -> tuple:
+    """What a microbatch's terms are made from, by object (kept alive for the call by :func:`shared_value`, so
+    no id is reused): its per-token tensors, per-sequence values, group ids, logits or statistics; and its cut."""
+    output = batch.output
+    return (tuple((name, id(tensor)) for name, tensor in batch.tensors.items()),
+            tuple((name, id(values)) for name, values in batch.per_sequence.items()),
+            id(batch.group_ids), id(output.get("logits")), id(output.get("token_stats")), id(batch.packed),
+            batch.cp_gathered, id(batch.misaligned_arrays))
+
+
+class TokenTerms(NamedTuple):
+    """A microbatch's per-token terms of GRPO's family and the totals of their states (the same for each metric
+    of the family: computed once per collection call)."""
+
+    sums: dict[str, torch.Tensor]  # state name -> what to add: totals, twins' per-slice totals, counts
+    maxima: dict[str, torch.Tensor]  # state name -> what to fold into its max
+    misaligned: Any  # the misaligned-array count when a host number (else in ``sums``)
+    valid: torch.Tensor
+    labels: torch.Tensor
+    new: torch.Tensor
+    old: Optional[torch.Tensor]
+    advantages: Optional[torch.Tensor]
+    log_ratio: Optional[torch.Tensor]
+    ratio: Optional[torch.Tensor]
+    kl: Optional[torch.Tensor]
 
 
 class GRPOMetric(Metric):
@@ -212,71 +242,73 @@ class GRPOMetric(Metric):
         return None
 
     def _accumulate_microbatch(self, batch: SequenceBatch, vocab_size: Optional[int], layout: Optional[str]) -> None:
+        mask = batch.token_mask("logps", self.ignore_index)
+        positions = batch.positions(self.context) if self.position_buckets is not None else None
+        groups = self._token_groups(batch.group_ids, mask, mask, positions)
+        # GRPO, GSPO, CISPO and PPO of one collection read the same microbatch alike but for their clip counts:
+        # the per-token terms and their totals are computed once per call (the key holds what they depend on).
+        key = ("grpo_terms", self._token_terms.__func__, self._entropy.__func__, self.context, self.ignore_index,
+               self.temperature, self.rollout_threshold, vocab_size, layout, self.group_names, self.position_buckets,
+               batch_identity(batch))
+        terms = shared_value(key, lambda: self._token_terms(batch, mask, groups, vocab_size, layout), keep=(batch,))
+        sums = terms.sums
+        if terms.log_ratio is not None and terms.advantages is not None:
+            low, high, total = self.clip_counts(terms.log_ratio, terms.advantages, terms.valid, batch)
+            # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
+            clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
+            sums = {**sums, **sum_totals(self.state_specs, {"clip_low": low, "clip_high": high, "clip_total": total},
+                                         None, clip_groups)}
+        self._fold_totals(sums, terms.maxima)  # this metric's states: one add, one max
+        if not isinstance(terms.misaligned, torch.Tensor):  # a host number (no per-sequence arrays)
+            self._add("misaligned_arrays", terms.misaligned)
+        if self.top_k_kl > 0 and terms.log_ratio is not None:
+            positions = global_positions(terms.kl.shape[-1], self.context, batch.cp_gathered, terms.kl.device)
+            self._high_kl.keep(terms.kl, terms.ratio, terms.new, terms.old, terms.labels, terms.valid,
+                               batch.first_sequence, positions)
+
+    def _token_terms(self, batch: SequenceBatch, mask: torch.Tensor, groups: Optional[TokenSlices],
+                     vocab_size: Optional[int], layout: Optional[str]) -> TokenTerms:
+        """The microbatch's per-token terms and the totals of every state but the clip counts: each statistic
+        masked by ``valid`` (counted, every input finite) and reduced together (see :mod:`.token_sums`)."""
         old, advantage = batch.per_sequence["old_logps"], batch.per_sequence["advantages"]
         logps = batch.tensors["logps"]
-        device = logps.device
-        labels = to_device(batch.tensors["labels"], device)
-        mask = batch.token_mask("logps", self.ignore_index)
+        labels = to_device(batch.tensors["labels"], logps.device)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale
         finite = torch.isfinite(new)
-
         entropy = self._entropy(batch, labels, vocab_size, layout)
         if entropy is not None:
             finite &= torch.isfinite(entropy)
-        old_tokens = advantage_tokens = rollout = None
-        misaligned = batch.misaligned_arrays
-        if batch.per_sequence["rollout_logps"] is not None:
-            rollout, misaligned_rollout = token_values(batch.per_sequence["rollout_logps"], mask)
-            finite &= torch.isfinite(rollout)
-            misaligned = misaligned_rollout + misaligned
-        if old is not None:
-            old_tokens, misaligned_old = token_values(old, mask)
-            old_tokens = old_tokens * scale
-            finite &= torch.isfinite(old_tokens)
-            misaligned = misaligned_old + misaligned
-        if old is not None and advantage is not None:
-            advantage_tokens, misaligned_advantages = token_values(advantage, mask)
-            finite &= torch.isfinite(advantage_tokens)
-            misaligned = misaligned_advantages + misaligned
+        per_token, misaligned = {}, batch.misaligned_arrays
+        for name, values in (("rollout", batch.per_sequence["rollout_logps"]), ("old", old),
+                             ("advantages", advantage if old is not None else None)):
+            if values is not None:
+                per_token[name], misaligned_here = token_values(values, mask)
+                finite &= torch.isfinite(per_token[name])
+                misaligned = misaligned_here + misaligned
         valid = mask & finite
-        positions = batch.positions(self.context) if self.position_buckets is not None else None
-        groups = self._token_groups(batch.group_ids, mask, mask, positions)
-        # Every per-token statistic of the microbatch, masked by ``valid`` and added together (see
-        # Metric._add_token_sums): a fixed number of ops however many there are.
         sums: dict[str, torch.Tensor] = {"tokens": valid, "new_logp_sum": new}
         maxima: dict[str, torch.Tensor] = {}
         if entropy is not None:
             sums.update(entropy_tokens=valid, entropy_sum=entropy)
-        if rollout is not None:  # the log-probs as given: Δ is the engines' difference, not the temperature's
-            mismatch_sums, maxima[MISMATCH_MAX] = mismatch_terms(logps, rollout, valid, self.rollout_threshold)
+        if "rollout" in per_token:  # the log-probs as given: Δ is the engines' difference, not the temperature's
+            mismatch_sums, maxima[MISMATCH_MAX] = mismatch_terms(logps, per_token["rollout"], valid,
+                                                                 self.rollout_threshold)
             sums.update(mismatch_sums)
-        clips = None
-        if old_tokens is not None:
+        old_tokens = log_ratio = ratio = kl = None
+        if "old" in per_token:
+            old_tokens = per_token["old"] * scale
             log_ratio = torch.where(valid, new - old_tokens, 0.0)
             ratio = torch.exp(log_ratio)
             kl = ratio - log_ratio - 1.0
             sums.update(old_tokens=valid, old_logp_sum=old_tokens, logp_diff_sum=log_ratio, approx_kl_sum=kl)
             maxima.update(token_kl_max=kl, token_ratio_max=ratio)
-            if advantage_tokens is not None:
-                clips = dict(zip(("clip_low", "clip_high", "clip_total"),
-                                 self.clip_counts(log_ratio, advantage_tokens, valid, batch)))
-                if clips["clip_total"].dim() == 2:  # token-level counts: with the other sums
-                    sums.update(clips)
-                    clips = None
-        counts = {"nonfinite_tokens": (mask & ~finite).sum(dtype=torch.float64)}
+        totals = sum_totals(self.state_specs, sums, valid, groups)
+        totals["nonfinite_tokens"] = (mask & ~finite).sum(dtype=torch.float64)
         if isinstance(misaligned, torch.Tensor):  # a device count: added with the rest
-            counts["misaligned_arrays"] = misaligned
-        else:  # a host number (no per-sequence arrays): a kernel argument
-            self._add("misaligned_arrays", misaligned)
-        self._add_token_sums(sums, valid, groups, counts)
-        if maxima:
-            self._maximum_token_values(maxima, valid, groups)
-        if clips is not None:  # GSPO's per-sequence counts, each sequence in its group
-            self._add_token_sums(clips, None, groups.of_sequences() if groups is not None else None)
-        if self.top_k_kl > 0 and old_tokens is not None:
-            positions = global_positions(kl.shape[-1], self.context, batch.cp_gathered, kl.device)
-            self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, positions)
+            totals["misaligned_arrays"] = misaligned
+        return TokenTerms(totals, max_totals(self.state_specs, maxima, valid, groups) if maxima else {},
+                          misaligned, valid, labels, new, old_tokens, per_token.get("advantages"), log_ratio, ratio, kl)
 
     def _entropy(self, batch: SequenceBatch, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:

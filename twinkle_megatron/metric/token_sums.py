@@ -67,29 +67,27 @@ def maximum_in_place(states: Sequence[torch.Tensor], values: Sequence[torch.Tens
     torch._foreach_maximum_(list(states), list(values))
 
 
-def add_token_sums(states: dict[str, torch.Tensor], declared: Container[str], sums: Mapping[str, torch.Tensor],
-                   valid: Optional[torch.Tensor], slices: Optional[TokenSlices],
-                   totals: Optional[Mapping[str, torch.Tensor]], slices_only: bool = False) -> dict[str, torch.Tensor]:
-    """``states`` with Σ over the tokens of each per-token tensor of ``sums`` added to the state of its name,
-    per slice to its twins (those ``declared``), and each 0-d tensor of ``totals`` to its state; tokens not
-    ``valid`` add 0. ``slices_only``: the twins alone. All in place, in a fixed number of ops."""
+def sum_totals(declared: Container[str], sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+               slices: Optional[TokenSlices], slices_only: bool = False) -> dict[str, torch.Tensor]:
+    """State name -> what to add to it: Σ over the tokens of each per-token tensor of ``sums`` (one shape) for
+    the state of its name, per slice for its twins (those ``declared``); tokens not ``valid`` add 0, whatever
+    their value. ``slices_only``: the twins alone. A fixed number of ops for any number of sums."""
     names = list(sums)
     stacked = stack_per_token(list(sums.values()), valid, 0.0)
-    adds = {} if slices_only else {**totals_of(names, token_totals(stacked, "sum")), **(totals or {})}
-    adds.update(slice_totals(stacked, names, slices, declared, "sum"))
-    return fold_into(states, adds, add_in_place)
+    totals = {} if slices_only else dict(totals_of(names, token_totals(stacked, "sum")))
+    totals.update(slice_totals(stacked, names, slices, declared, "sum"))
+    return totals
 
 
-def maximum_token_values(states: dict[str, torch.Tensor], declared: Container[str],
-                         maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
-                         slices: Optional[TokenSlices]) -> dict[str, torch.Tensor]:
-    """``states`` with the max over the tokens of each per-token tensor of ``maxima`` folded into the state of
-    its name and per slice into its twins (those ``declared``); tokens not ``valid`` count as -inf. In place."""
+def max_totals(declared: Container[str], maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+               slices: Optional[TokenSlices]) -> dict[str, torch.Tensor]:
+    """State name -> what to fold into its max: the max over the tokens of each per-token tensor of ``maxima``
+    (one shape; none for no tokens) and per slice for its twins; tokens not ``valid`` count as -inf."""
     names = list(maxima)
     stacked = stack_per_token(list(maxima.values()), valid, float("-inf"))
-    folds = dict(totals_of(names, token_totals(stacked, "max"))) if stacked[0].numel() else {}
-    folds.update(slice_totals(stacked, names, slices, declared, "max"))
-    return fold_into(states, folds, maximum_in_place)
+    totals = dict(totals_of(names, token_totals(stacked, "max"))) if stacked[0].numel() else {}
+    totals.update(slice_totals(stacked, names, slices, declared, "max"))
+    return totals
 
 
 def totals_of(names: Sequence[str], totals: torch.Tensor) -> Mapping[str, torch.Tensor]:
