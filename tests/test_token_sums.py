@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import pytest
+import test_grpo as grpo_cases
 import torch
+from kit.distributed import Layout
 from kit.guards import forbid_host_sync
+from kit.invariance import assert_layout_invariant
 from test_accumulate_ops import CountOps
 
 import twinkle_megatron as tm
@@ -163,3 +166,18 @@ def test_the_family_shares_its_terms_only_when_they_are_the_same(monkeypatch):
     assert len(computed) == 4
     alone.accumulate(call[0], call[1], **call[2])
     assert hot.calculate() == pytest.approx(alone.calculate(), rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2, pp=2, dp=2), Layout(cp=2, dp=2)], ids=str)
+def test_grpo_and_ppo_sharing_their_terms_give_the_single_process_result(layout):
+    """GRPO and PPO (the same keys, the same values) in one collection on every layout: GRPO's reference, and
+    the TP collectives of one entropy pass."""
+    expected = grpo_cases.reference("grpo")
+    options = {"epsilon": grpo_cases.EPSILON, "epsilon_high": grpo_cases.EPSILON_HIGH, "top_k_kl": grpo_cases.TOP_K,
+               "vocab_size": grpo_cases.VOCAB}
+    assert_layout_invariant(
+        lambda variant: tm.MetricCollection([tm.GRPOMetric(**options), tm.PPOMetric(**options)]),
+        grpo_cases.global_batch(), [layout], feed=grpo_cases.feed_last_stage,
+        variants=[("grpo", count, as_list) for count, as_list in ((1, True), (2, True), (2, False))],
+        expected=lambda *_: expected, rel=1e-5, rel_for={"_high_kl_records": 1e-12},
+        accumulate_collectives=grpo_cases.accumulate_collectives)
