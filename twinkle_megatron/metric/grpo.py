@@ -280,10 +280,11 @@ class GRPOMetric(Metric):
         if entropy is not None:
             finite &= torch.isfinite(entropy)
         per_token, misaligned = {}, batch.misaligned_arrays
-        for name, values in (("rollout", batch.per_sequence["rollout_logps"]), ("old", old),
-                             ("advantages", advantage if old is not None else None)):
+        for name, values, factor in (("rollout", batch.per_sequence["rollout_logps"], 1.0), ("old", old, scale),
+                                     ("advantages", advantage if old is not None else None, 1.0)):
             if values is not None:
-                per_token[name], misaligned_here = token_values(values, mask)
+                tokens, misaligned_here = token_values(values, mask)
+                per_token[name] = tokens * factor if factor != 1.0 else tokens  # old log-probs: T·logp_old
                 finite &= torch.isfinite(per_token[name])
                 misaligned = misaligned_here + misaligned
         valid = mask & finite
@@ -297,7 +298,7 @@ class GRPOMetric(Metric):
             sums.update(mismatch_sums)
         old_tokens = log_ratio = ratio = kl = None
         if "old" in per_token:
-            old_tokens = per_token["old"] * scale
+            old_tokens = per_token["old"]
             log_ratio = torch.where(valid, new - old_tokens, 0.0)
             ratio = torch.exp(log_ratio)
             kl = ratio - log_ratio - 1.0
