@@ -389,12 +389,8 @@ class Metric(_Base):
     # ------------------------------------------------------- Twinkle helpers
 
     def gather_results(self, local_results: list) -> list:
-        """Twinkle's helper for user-written metrics: all-gather picklable results.
-
-        Collective (every rank calls it). Returns, on every rank, the
-        concatenation of the lists of every rank whose data counts (the last
-        pipeline stage, TP rank 0, see :meth:`ParallelContext.counts_here`), in
-        rank order: all data-parallel (and context-parallel) ranks' results,
-        each once. One ``all_gather_object`` over the reduction group.
-        """
+        """Twinkle's helper for user-written metrics: all-gather picklable results. Collective: returns, on
+        every rank, the concatenation of the lists of every rank whose data counts (the last pipeline stage,
+        TP rank 0, see :meth:`ParallelContext.counts_here`) in rank order, each once; one ``all_gather_object``
+        over the reduction group."""
         return gather_results(self, local_results)
