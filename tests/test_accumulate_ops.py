@@ -5,8 +5,11 @@ pays for. With the accelerator's chunk size (the whole microbatch in one chunk o
 ``MetricCollection.accumulate`` of ``instrument()``'s default metrics (Accuracy, TokenStatsMetric,
 LossMetric) on one microbatch's logits dispatches a fixed number of ops, whatever the number of tokens:
 views (``view``, ``slice``, ``detach``...) launch nothing and are not counted. Accuracy alone makes the
-argmax-only pass (no metric reads a probability) and has its own, smaller budget. The budgets below are
-the counts as built, so that a change that adds launches per microbatch shows up here; no host sync.
+argmax-only pass (no metric reads a probability) and has its own, smaller budget. The GRPO family and the
+eight metrics of ``benchmarks/bench_accumulate.py`` have theirs on Twinkle's RL call form. A metric adds all
+its sums of a microbatch together (``Metric._add_token_sums``: one stack, mask, reduction and
+``_foreach_add_``), so its bookkeeping costs a fixed few ops however many states it keeps. The budgets below
+are the counts as built, so that a change that adds launches per microbatch shows up here; no host sync.
 """
 
 from __future__ import annotations
@@ -25,15 +28,33 @@ from twinkle_megatron.ops.fused_cross_entropy import vocab_parallel_cross_entrop
 # Ops that only make views or aliases: no kernel on any device.
 VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::alias",
          "aten::detach", "aten::lift_fresh", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
-         "aten::as_strided", "aten::_reshape_alias", "aten::reshape", "aten::unflatten", "aten::split"}
+         "aten::as_strided", "aten::_reshape_alias", "aten::reshape", "aten::unflatten", "aten::split",
+         "aten::unbind"}
 STATS_BUDGET = 71  # the vocab-parallel pass: one chunk, statistics of every token
 # The fused loss's forward: the loss and the same statistics (a padded vocabulary adds the all-column maximum's
 # key); Megatron's own loss forward alone dispatches about 20.
 FUSED_BUDGET = {500: 113, 512: 85}  # unpadded: no tail block to clamp (was 86)
-ACCUMULATE_BUDGET = 124  # the pass + Accuracy, TokenStatsMetric, LossMetric bookkeeping (was 125)
+# The pass + Accuracy, TokenStatsMetric, LossMetric bookkeeping: each metric's sums of a microbatch stacked,
+# masked, reduced and added together (Metric._add_token_sums; was 124 with one sum and one add per state).
+ACCUMULATE_BUDGET = 108
 # Accuracy alone reads no probability: the argmax-only pass (block maxima, the first maximum's column, a -inf
-# check; no exp, no sums) and its bookkeeping. One process: no key to pack.
-ARGMAX_ONLY_BUDGET = 43
+# check; no exp, no sums) and its bookkeeping (was 43).
+ARGMAX_ONLY_BUDGET = 38
+# The GRPO family on Twinkle's call form (per-sequence lists of old log-probs and advantages, entropies in the
+# outputs), one metric: the token mask, the lists on the tokens, the ratio and KL terms, one stack, mask and
+# reduction for its 11 sums and one for its 2 maxima, its clip counts, then one add and one max for all its
+# states. Was 103, 116, 99, 103 with one reduction and one add per state.
+GRPO_FAMILY_BUDGET = {"GRPOMetric": 78, "GSPOMetric": 91, "CISPOMetric": 74, "PPOMetric": 78}
+# bench_accumulate.py's eight metrics in one collection: the family (its per-token terms and their totals made
+# once per call for the four, each then adding its own clip counts: GRPOMetric._token_terms), Accuracy's
+# argmax-only pass, LossMetric, TrainMetric, CompletionRewardMetric (its reward names folded into their states
+# only when a new name comes; each reward function's four sums stacked). Was 527.
+EIGHT_METRICS = ("Accuracy", "LossMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "PPOMetric",
+                 "CompletionRewardMetric")
+EIGHT_METRICS_BUDGET = 214
+# Plus one op per sequence in both: Twinkle's per-sequence lists are padded into one host tensor (a copy per
+# sequence, on the host) before their one copy to the device, once per call for the whole collection.
+PER_SEQUENCE = 1
 
 
 class CountOps(TorchDispatchMode):
@@ -87,6 +108,46 @@ def test_accuracy_alone_costs_the_argmax_only_budget(accelerator_chunks, batch, 
         collection.accumulate(inputs, outputs)
     assert counted.launches == ARGMAX_ONLY_BUDGET, counted.ops
     assert "aten::exp" not in counted.ops
+
+
+def rl_call(batch: int, seq: int, vocab: int = 512):
+    """One microbatch in Twinkle's RL call form: logits, log-probs and entropies in the outputs, per-sequence
+    lists of old log-probs (one per completion token) and advantages, a loss, rewards."""
+    inputs, outputs = microbatch(batch, seq, vocab)
+    labels = inputs["labels"]
+    labels[:, :seq // 4] = -100  # the prompt
+    logps = torch.log_softmax(outputs["logits"], -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    outputs.update(logps=logps, entropies=torch.rand(batch, seq))
+    counted = (labels >= 0) & inputs["completion_mask"]
+    kwargs = {"old_logps": [(row[keep] + 0.1).tolist() for row, keep in zip(logps, counted)],
+              "advantages": [float(index % 3 - 1) for index in range(batch)], "loss_reduction": "sum",
+              "lr": 1e-4, "step": 1, "grad_norm": 1.0, "rewards": {"score": [1.0] * batch},
+              "completion_lengths": [seq] * batch, "generate_time": 1.0}
+    return inputs, outputs, kwargs
+
+
+def call_ops(metrics: list, call: tuple) -> CountOps:
+    collection = tm.MetricCollection(metrics)
+    inputs, outputs, kwargs = call
+    collection.accumulate(inputs, outputs, **kwargs)  # states on the device, shapes settled
+    with forbid_host_sync(), CountOps() as counted:
+        collection.accumulate(inputs, outputs, **kwargs)
+    return counted
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 64), (4, 256)])
+@pytest.mark.parametrize("name", sorted(GRPO_FAMILY_BUDGET))
+def test_the_grpo_family_costs_a_fixed_number_of_ops(accelerator_chunks, name, batch, seq):
+    counted = call_ops([getattr(tm, name)()], rl_call(batch, seq))
+    assert counted.launches == GRPO_FAMILY_BUDGET[name] + PER_SEQUENCE * batch, counted.ops
+    assert counted.ops["aten::_foreach_add_"] == counted.ops["aten::_foreach_maximum_"] == 1
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 64), (4, 256)])
+def test_the_eight_benchmark_metrics_cost_a_fixed_number_of_ops(accelerator_chunks, batch, seq):
+    counted = call_ops([getattr(tm, name)(vocab_size=500) if name == "Accuracy" else getattr(tm, name)()
+                        for name in EIGHT_METRICS], rl_call(batch, seq))
+    assert counted.launches == EIGHT_METRICS_BUDGET + PER_SEQUENCE * batch, counted.ops
 
 
 @pytest.mark.parametrize("seq", [64, 256])

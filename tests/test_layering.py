@@ -29,6 +29,9 @@ FILES = sorted(PACKAGE.rglob("*.py"))
 EXTERNAL_PRIVATE = {
     "torch._C": "router_hooks: _current_graph_task_id tells a forward recomputed inside backward",
     "_version": "router_hooks: a tensor's version counter tells whether Megatron's aux-loss tracker was written",
+    "_foreach_add_": "token_sums: torch's multi-tensor add (what torch.optim's foreach path uses): a metric's "
+                     "sums of a microbatch added to their states in one op, one launch on an accelerator",
+    "_foreach_maximum_": "token_sums: torch's multi-tensor maximum, likewise for a metric's maxima",
     "os._exit": "testing.distributed: a forked worker leaves without the parent's atexit handlers (the stdlib's "
                 "documented way out of a forked child)",
 }

@@ -49,8 +49,9 @@ class Accuracy(LogitsMetric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         for batch, classes, groups in self._token_batches(inputs, outputs, kwargs):
             labels = to_device(batch.labels, batch.stats.argmax.device)
-            self._add_tokens("correct_tokens", classes.counted & (batch.stats.argmax == labels), groups)
-            self._add_tokens("total_tokens", classes.counted, groups)
+            # Bool counts of the same tokens: stacked and added together (see Metric._add_token_sums).
+            self._add_token_sums({"correct_tokens": classes.counted & (batch.stats.argmax == labels),
+                                  "total_tokens": classes.counted, **self.problem_counts(classes)}, None, groups)
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results = self._token_problems(states)

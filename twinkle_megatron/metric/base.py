@@ -37,7 +37,8 @@ from .inputs import arrays_as_tensors, given
 from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
-from .sync import Number, SyncedStates, calculate_metrics, reduced_state_dicts, syncs_declared_states
+from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
+from .token_sums import add_in_place, fold_into, max_totals, maximum_in_place, sum_totals
 from .twinkle_base import twinkle_metric_base
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -158,7 +159,7 @@ class Metric(_Base):
         ``grouped``: also keep it per slice of each partition (see :mod:`.groups`):
         a ``[G, *shape]`` twin ``name/groups`` when the metric has ``group_names``,
         a ``[B, *shape]`` twin ``name/positions`` when it has ``position_buckets``;
-        :meth:`_add_tokens` and :meth:`_maximum_tokens` fill them all.
+        :meth:`_add_token_sums` and :meth:`_maximum_token_values` fill them all.
         """
         if reduce not in _IDENTITY:
             raise ValueError(f"state {name!r}: reduce must be one of {sorted(_IDENTITY)}, got {reduce!r}")
@@ -219,22 +220,32 @@ class Metric(_Base):
 
     def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
         """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per slice to its twins."""
-        self._add(name, values.sum(dtype=torch.float64))
-        self._add_to_groups(name, values, groups)
+        self._add_token_sums({name: values}, groups=groups)
 
-    def _add_to_groups(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices]) -> None:
-        """Add Σ ``values`` per slice to ``name``'s twins only (``name`` itself has its total from elsewhere)."""
-        for part in groups or ():
-            if name + part.suffix in self._specs:
-                self._add(name + part.suffix, part.sum(values))
+    def _add_token_sums(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
+                        groups: Optional[TokenSlices] = None, totals: Optional[Mapping[str, torch.Tensor]] = None
+                        ) -> None:
+        """Add Σ over the tokens of each per-token tensor of ``sums`` (one shape) to its state, per slice to its
+        twins, and each tensor of ``totals`` (shaped like its state) to its state; tokens not ``valid`` add 0,
+        whatever their value. A fixed number of ops for any number of sums (see :mod:`.token_sums`)."""
+        self._fold_totals({**sum_totals(self._specs, sums, valid, groups), **(totals or {})})
 
-    def _maximum_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
-        """Fold max ``values`` (per token, -inf where not counted) into ``name``, and per slice into its twins."""
-        if values.numel():
-            self._maximum(name, values.max())
-        for part in groups or ():
-            if name + part.suffix in self._specs:
-                self._maximum(name + part.suffix, part.max(values))
+    def _add_to_groups(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+                       groups: Optional[TokenSlices]) -> None:
+        """:meth:`_add_token_sums` for the twins only (the states themselves have their totals from elsewhere)."""
+        self._fold_totals(sum_totals(self._specs, sums, valid, groups, slices_only=True))
+
+    def _maximum_token_values(self, maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
+                              groups: Optional[TokenSlices] = None) -> None:
+        """Fold the max over the tokens of each per-token tensor of ``maxima`` (one shape) into its state, and
+        per slice into its twins; tokens not ``valid`` count as -inf. A fixed number of ops, as for sums."""
+        self._fold_totals({}, max_totals(self._specs, maxima, valid, groups))
+
+    def _fold_totals(self, sums: Mapping[str, torch.Tensor], maxima: Optional[Mapping[str, torch.Tensor]] = None
+                     ) -> None:
+        """Add each tensor of ``sums`` to its state, fold each of ``maxima`` into its state's max (each shaped like
+        its state): one op for all sums, one for all maxima (see :func:`.token_sums.fold_into`)."""
+        self._states = fold_into(fold_into(self._states, sums, add_in_place), maxima or {}, maximum_in_place)
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
                       positions: Optional[torch.Tensor] = None) -> Optional[TokenSlices]:
@@ -378,18 +389,8 @@ class Metric(_Base):
     # ------------------------------------------------------- Twinkle helpers
 
     def gather_results(self, local_results: list) -> list:
-        """Twinkle's helper for user-written metrics: all-gather picklable results.
-
-        Collective (every rank calls it). Returns, on every rank, the
-        concatenation of the lists of every rank whose data counts (the last
-        pipeline stage, TP rank 0, see :meth:`ParallelContext.counts_here`), in
-        rank order: all data-parallel (and context-parallel) ranks' results,
-        each once. One ``all_gather_object`` over the reduction group.
-        """
-        context = self.context
-        mine = list(local_results) if self.counts_here() else []
-        if not context.distributed or context.reduce_size == 1:
-            return mine
-        gathered: list = [None] * context.reduce_size
-        dist.all_gather_object(gathered, mine, group=context.reduce_group)
-        return [item for rank_results in gathered for item in rank_results]
+        """Twinkle's helper for user-written metrics: all-gather picklable results. Collective: returns, on
+        every rank, the concatenation of the lists of every rank whose data counts (the last pipeline stage,
+        TP rank 0, see :meth:`ParallelContext.counts_here`) in rank order, each once; one ``all_gather_object``
+        over the reduction group."""
+        return gather_results(self, local_results)

@@ -95,6 +95,7 @@ class CompletionRewardMetric(Metric):
                      "weight_sync_time_sum", "weight_sync_times"):
             self.add_state(name, "sum")
         self._slots: dict[str, int] = {}
+        self._named_slots: dict[str, int] = {}  # the slots whose names the name states hold
 
     def accumulate(self, inputs: Any = None, outputs: Any = None, **kwargs: Any) -> None:
         rewards = call_value("rewards", kwargs, outputs)
@@ -115,30 +116,28 @@ class CompletionRewardMetric(Metric):
                 self._add(f"{name}s", 1.0)
 
     def _accumulate_rewards(self, rewards: Mapping[str, Any]) -> None:
-        codes = torch.full((self.max_reward_functions, self.max_name_length), float("-inf"), dtype=torch.float64)
         values = {self._slot(name): torch.as_tensor(value, dtype=torch.float64).reshape(-1)
                   for name, value in rewards.items()}
-        for name, slot in self._slots.items():
-            codes[slot] = torch.tensor(_encode(name, self.max_name_length), dtype=torch.float64)
         if not values:
             return
+        if self._named_slots != self._slots:  # the names into their states (again after a reset)
+            codes = torch.full((self.max_reward_functions, self.max_name_length), float("-inf"), dtype=torch.float64)
+            for name, slot in self._slots.items():
+                codes[slot] = torch.tensor(_encode(name, self.max_name_length), dtype=torch.float64)
+            self._maximum("reward_names", codes)
+            self._minimum("reward_names_min", torch.where(torch.isinf(codes), float("inf"), codes))
+            self._named_slots = dict(self._slots)
         device = next(iter(values.values())).device
-        sums, squares, counts, nonfinite = (torch.zeros(self.max_reward_functions, dtype=torch.float64,
-                                                        device=device) for _ in range(4))
-        for slot, value in values.items():
-            value = to_device(value, device)
-            finite = torch.isfinite(value)
+        per_slot = []  # each slot's [Σx, Σx², n, non-finite] (device ops: rewards are never read on the host here)
+        for value in values.values():
+            finite = torch.isfinite(value := to_device(value, device))
             value = torch.where(finite, value, 0.0)
-            sums[slot] = value.sum()  # device ops: a tensor of rewards is never read on the host here
-            squares[slot] = (value * value).sum()
-            counts[slot] = finite.sum()
-            nonfinite[slot] = (~finite).sum()
-        self._add("reward_sum", sums)
-        self._add("reward_square_sum", squares)
-        self._add("reward_count", counts)
-        self._add("reward_nonfinite", nonfinite)
-        self._maximum("reward_names", codes)
-        self._minimum("reward_names_min", torch.where(torch.isinf(codes), float("inf"), codes))
+            per_slot.append(torch.stack([value, value * value, finite, ~finite]).sum(-1, dtype=torch.float64))
+        slots = torch.tensor(list(values), device=device)
+        rows = torch.zeros(4, self.max_reward_functions, dtype=torch.float64, device=device)
+        rows.index_copy_(1, slots, torch.stack(per_slot, 1))
+        self._fold_totals(dict(zip(("reward_sum", "reward_square_sum", "reward_count", "reward_nonfinite"),
+                                  rows.unbind(0))))
 
     def _slot(self, name: str) -> int:
         if name not in self._slots:
@@ -183,13 +182,14 @@ class CompletionRewardMetric(Metric):
 
     def reset(self) -> None:
         super().reset()
-        self._slots = {}
+        self._slots, self._named_slots = {}, {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         super().load_state_dict(state_dict)
         names = self._states["reward_names"].cpu()
         self._slots = {_decode(names[slot]): slot for slot in range(self.max_reward_functions)
                        if names[slot, 0] != float("-inf")}
+        self._named_slots = {}  # folded again at the next call (the same codes: no change)
 
 
 def _encode(name: str, width: int) -> list[float]:

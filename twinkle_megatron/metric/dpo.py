@@ -154,22 +154,15 @@ class DPOMetric(Metric):
         if groups is not None:
             groups = groups.of_sequences().select(lambda rows: _split_pairs(rows, layout)[0])
 
-        def add(name: str, values: torch.Tensor) -> None:
-            self._add_tokens(name, torch.where(clean, values, zero), groups)
-
-        self._add_tokens("pairs", counted * once, groups)
-        self._add("nonfinite_pairs", ((pair_tokens > 0) & ~clean).sum() * once)
-        add("chosen_logps", chosen)
-        add("rejected_logps", rejected)
-        if ref is None:
-            return
-        self._add_tokens("ref_pairs", counted * once, groups)
-        add("ref_chosen_logps", ref_chosen)
-        add("ref_rejected_logps", ref_rejected)
-        add("chosen_rewards", chosen_rewards)
-        add("rejected_rewards", rejected_rewards)
-        add("margins", margins)
-        self._add_tokens("correct_pairs", (counted & (full_margins > 0)) * once, groups)
+        # A pair with a non-finite log-prob adds nothing (``clean``); every statistic added in one op.
+        sums = {"pairs": counted * once, "chosen_logps": chosen, "rejected_logps": rejected}
+        if ref is not None:
+            sums.update({"ref_pairs": counted * once, "ref_chosen_logps": ref_chosen,
+                         "ref_rejected_logps": ref_rejected, "chosen_rewards": chosen_rewards,
+                         "rejected_rewards": rejected_rewards, "margins": margins,
+                         "correct_pairs": (counted & (full_margins > 0)) * once})
+        self._add_token_sums(sums, clean, groups,
+                             {"nonfinite_pairs": ((pair_tokens > 0) & ~clean).sum(dtype=torch.float64) * once})
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = states.counts(("nonfinite_pairs",))

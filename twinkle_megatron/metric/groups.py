@@ -55,20 +55,25 @@ class TokenGroups(NamedTuple):
         return TokenGroups(rows(self.ids), rows(self.valid), self.num_groups, self.suffix)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """``[G]`` float64: Σ values per group (``values`` shaped like the tokens, 0 where not counted)."""
+        """``[G]`` float64: Σ values per group (``values`` shaped like the tokens, 0 where not counted); for
+        ``[K, *tokens]`` values (K statistics stacked) ``[K, G]``, in the same three ops."""
         ids, valid, values = self.ids, self.valid, values.to(torch.float64)
+        stacked = values.shape[:values.dim() - ids.dim()]  # () or (K,)
         if ids.dim() == 2 and ids.stride(0) == 0 and valid.stride(0) == 0:
             # One row of slices for every row (position buckets of padded rows): add up the rows first.
-            ids, valid, values = ids[0], valid[0], values.sum(0)
-        values = torch.where(valid, values, 0.0)
-        totals = torch.zeros(self.num_groups, dtype=torch.float64, device=values.device)
-        return totals.index_add_(0, ids.reshape(-1), values.reshape(-1))
+            ids, valid, values = ids[0], valid[0], values.sum(-2)
+        values = torch.where(valid, values, 0.0).reshape(*stacked, -1)
+        totals = torch.zeros((*stacked, self.num_groups), dtype=torch.float64, device=values.device)
+        return totals.index_add_(len(stacked), ids.reshape(-1), values)
 
     def max(self, values: torch.Tensor) -> torch.Tensor:
-        """``[G]`` float64: max of values per group (``values`` -inf where not counted; -inf for empty groups)."""
-        values = torch.where(self.valid, values.to(torch.float64), float("-inf"))
-        maxima = torch.full((self.num_groups,), float("-inf"), dtype=torch.float64, device=values.device)
-        return maxima.scatter_reduce_(0, self.ids.reshape(-1), values.reshape(-1), reduce="amax")
+        """``[G]`` float64: max of values per group (``values`` -inf where not counted; -inf for empty groups);
+        for ``[K, *tokens]`` values ``[K, G]``."""
+        stacked = values.shape[:values.dim() - self.ids.dim()]
+        values = torch.where(self.valid, values.to(torch.float64), float("-inf")).reshape(*stacked, -1)
+        maxima = torch.full((*stacked, self.num_groups), float("-inf"), dtype=torch.float64, device=values.device)
+        ids = self.ids.reshape(-1).expand(values.shape)
+        return maxima.scatter_reduce_(len(stacked), ids, values, reduce="amax")
 
 
 class TokenSlices(tuple):

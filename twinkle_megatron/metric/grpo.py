@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from .base import Metric, Number, SyncedStates
+from .call_cache import shared_value
+from .groups import TokenSlices
 from .high_kl_records import HighKLRecords, global_top_kl, saved_state
 from .inputs import call_value, given
 from .keywords import check_layout_declared
@@ -55,6 +57,24 @@ from .microbatch_view import MicrobatchView, ViewSpec, logits_sequence_dim, micr
 from .resume import holds_loaded_sums
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
 from .tensors import as_rows, check_same_shape, to_device
+from .token_sums import max_totals, sum_totals
+
+
+class TokenTerms(NamedTuple):
+    """A microbatch's per-token terms of GRPO's family and the totals of their states (the same for each metric
+    of the family: computed once per collection call)."""
+
+    sums: dict[str, torch.Tensor]  # state name -> what to add: totals, twins' per-slice totals, counts
+    maxima: dict[str, torch.Tensor]  # state name -> what to fold into its max
+    misaligned: Any  # the misaligned-array count when a host number (else in ``sums``)
+    valid: torch.Tensor
+    labels: torch.Tensor
+    new: torch.Tensor
+    old: Optional[torch.Tensor]
+    advantages: Optional[torch.Tensor]
+    log_ratio: Optional[torch.Tensor]
+    ratio: Optional[torch.Tensor]
+    kl: Optional[torch.Tensor]
 
 
 class GRPOMetric(Metric):
@@ -202,65 +222,72 @@ class GRPOMetric(Metric):
         return None
 
     def _accumulate_microbatch(self, batch: MicrobatchView, vocab_size: Optional[int], layout: Optional[str]) -> None:
-        logps = batch.tensors["logps"]
-        device = logps.device
-        labels = to_device(batch.labels, device)
         mask = batch.mask
+        positions = batch.sequence_positions if self.position_buckets is not None else None
+        groups = self._token_groups(batch.group_ids, mask, mask, positions)
+        # GRPO, GSPO, CISPO and PPO of one collection read the same microbatch view alike but for their clip
+        # counts: the per-token terms and their totals are computed once per call (the key holds what they
+        # depend on besides the view, which the metrics share: see microbatch_view).
+        key = ("grpo_terms", self._token_terms.__func__, self._entropy.__func__, self.context, self.ignore_index,
+               self.temperature, self.rollout_threshold, vocab_size, layout, self.group_names, self.position_buckets,
+               id(batch))
+        terms = shared_value(key, lambda: self._token_terms(batch, mask, groups, vocab_size, layout), keep=(batch,))
+        sums = terms.sums
+        if terms.log_ratio is not None and terms.advantages is not None:
+            low, high, total = self.clip_counts(terms.log_ratio, terms.advantages, terms.valid, batch)
+            # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
+            clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
+            sums = {**sums, **sum_totals(self.state_specs, {"clip_low": low, "clip_high": high, "clip_total": total},
+                                         None, clip_groups)}
+        self._fold_totals(sums, terms.maxima)  # this metric's states: one add, one max
+        if not isinstance(terms.misaligned, torch.Tensor):  # a host number (no per-sequence arrays)
+            self._add("misaligned_arrays", terms.misaligned)
+        if self.top_k_kl > 0 and terms.log_ratio is not None:
+            self._high_kl.keep(terms.kl, terms.ratio, terms.new, terms.old, terms.labels, terms.valid,
+                               batch.first_sequence, batch.positions)
+
+    def _token_terms(self, batch: MicrobatchView, mask: torch.Tensor, groups: Optional[TokenSlices],
+                     vocab_size: Optional[int], layout: Optional[str]) -> TokenTerms:
+        """The microbatch's per-token terms and the totals of every state but the clip counts: each statistic
+        masked by ``valid`` (counted, every input finite) and reduced together (see :mod:`.token_sums`)."""
+        logps = batch.tensors["logps"]
+        labels = to_device(batch.labels, logps.device)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale
         finite = torch.isfinite(new)
-
         entropy = self._entropy(batch, labels, vocab_size, layout)
         if entropy is not None:
             finite &= torch.isfinite(entropy)
-        rollout = batch.values.get("rollout_logps")
-        if rollout is not None:
-            finite &= torch.isfinite(rollout)
-        old_tokens = batch.values.get("old_logps")
-        if old_tokens is not None:
-            old_tokens = old_tokens * scale
-            finite &= torch.isfinite(old_tokens)
-        advantage_tokens = batch.values.get("advantages")
-        if advantage_tokens is not None:
-            finite &= torch.isfinite(advantage_tokens)
-        self._add("misaligned_arrays", batch.misaligned_arrays)
+        per_token, misaligned = {}, batch.misaligned_arrays
+        for name, key, factor in (("rollout", "rollout_logps", 1.0), ("old", "old_logps", scale),
+                                  ("advantages", "advantages", 1.0)):
+            values = batch.values.get(key)  # advantages come only with old log-probs (see accumulate)
+            if values is not None:
+                per_token[name] = values * factor if factor != 1.0 else values  # old log-probs: T·logp_old
+                finite &= torch.isfinite(per_token[name])
         valid = mask & finite
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        positions = batch.sequence_positions if self.position_buckets is not None else None
-        groups = self._token_groups(batch.group_ids, mask, mask, positions)
-        self._add("nonfinite_tokens", (mask & ~finite).sum())
-        self._add_tokens("tokens", valid, groups)
-        self._add_tokens("new_logp_sum", torch.where(valid, new, zero), groups)
+        sums: dict[str, torch.Tensor] = {"tokens": valid, "new_logp_sum": new}
+        maxima: dict[str, torch.Tensor] = {}
         if entropy is not None:
-            self._add_tokens("entropy_tokens", valid, groups)
-            self._add_tokens("entropy_sum", torch.where(valid, entropy.to(torch.float64), zero), groups)
-        if rollout is not None:  # the log-probs as given: Δ is the engines' difference, not the temperature's
-            sums, magnitude = mismatch_terms(logps, rollout, valid, self.rollout_threshold)
-            for name, values in sums.items():
-                self._add_tokens(name, values, groups)
-            self._maximum_tokens(MISMATCH_MAX, magnitude, groups)
-        if old_tokens is None:
-            return
-
-        log_ratio = torch.where(valid, new - old_tokens, zero)
-        ratio = torch.exp(log_ratio)
-        kl = ratio - log_ratio - 1.0
-        self._add_tokens("old_tokens", valid, groups)
-        self._add_tokens("old_logp_sum", torch.where(valid, old_tokens, zero), groups)
-        self._add_tokens("logp_diff_sum", log_ratio, groups)
-        self._add_tokens("approx_kl_sum", torch.where(valid, kl, zero), groups)
-        minus_inf = torch.full((), float("-inf"), dtype=torch.float64, device=device)
-        self._maximum_tokens("token_kl_max", torch.where(valid, kl, minus_inf), groups)
-        self._maximum_tokens("token_ratio_max", torch.where(valid, ratio, minus_inf), groups)
-        if advantage_tokens is not None:
-            low, high, total = self.clip_counts(log_ratio, advantage_tokens, valid, batch)
-            # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
-            clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
-            self._add_tokens("clip_low", low, clip_groups)
-            self._add_tokens("clip_high", high, clip_groups)
-            self._add_tokens("clip_total", total, clip_groups)
-        if self.top_k_kl > 0:
-            self._high_kl.keep(kl, ratio, new, old_tokens, labels, valid, batch.first_sequence, batch.positions)
+            sums.update(entropy_tokens=valid, entropy_sum=entropy)
+        if "rollout" in per_token:  # the log-probs as given: Δ is the engines' difference, not the temperature's
+            mismatch_sums, maxima[MISMATCH_MAX] = mismatch_terms(logps, per_token["rollout"], valid,
+                                                                 self.rollout_threshold)
+            sums.update(mismatch_sums)
+        old_tokens = log_ratio = ratio = kl = None
+        if "old" in per_token:
+            old_tokens = per_token["old"]
+            log_ratio = torch.where(valid, new - old_tokens, 0.0)
+            ratio = torch.exp(log_ratio)
+            kl = ratio - log_ratio - 1.0
+            sums.update(old_tokens=valid, old_logp_sum=old_tokens, logp_diff_sum=log_ratio, approx_kl_sum=kl)
+            maxima.update(token_kl_max=kl, token_ratio_max=ratio)
+        totals = sum_totals(self.state_specs, sums, valid, groups)
+        totals["nonfinite_tokens"] = (mask & ~finite).sum(dtype=torch.float64)
+        if isinstance(misaligned, torch.Tensor):  # a device count: added with the rest
+            totals["misaligned_arrays"] = misaligned
+        return TokenTerms(totals, max_totals(self.state_specs, maxima, valid, groups) if maxima else {},
+                          misaligned, valid, labels, new, old_tokens, per_token.get("advantages"), log_ratio, ratio, kl)
 
     def _entropy(self, batch: MicrobatchView, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:

@@ -53,7 +53,8 @@ class LogitsMetric(Metric):
     def _token_batches(self, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
                        ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenSlices]]]:
         """(labels and statistics, classes, partitions) for each microbatch that has logits or statistics and
-        counts here (partitions: groups and position buckets, see :meth:`Metric._token_groups`).
+        counts here (partitions: groups and position buckets, see :meth:`Metric._token_groups`). The metric adds
+        the classes' :meth:`problem_counts` with its own sums (one op for all, see :meth:`Metric._add_token_sums`).
 
         ``vocab_size``, ``logits_layout`` and ``group_ids`` are per-call values
         (keyword, then outputs, then the constructor's).
@@ -79,10 +80,14 @@ class LogitsMetric(Metric):
                 view.tensors["logits"], view.labels, self.context, vocab_size, layout, self.ignore_index,
                 cache_key=id(view.output["logits"]), statistics=self.token_statistics)
             classes = shared_token_classes(stats, view.labels, view.mask)
-            self._add("nonfinite_tokens", classes.nonfinite.sum())
-            self._add("invalid_labels", classes.invalid_label.sum())
             groups = self._token_groups(view.group_ids, classes.counted, view.mask, view.sequence_positions)
             yield TokenBatch(view.labels, stats), classes, groups
+
+    @staticmethod
+    def problem_counts(classes: TokenClasses) -> dict[str, torch.Tensor]:
+        """The states ``nonfinite_tokens`` and ``invalid_labels`` -> their tokens of a microbatch (bool, per
+        token)."""
+        return {"nonfinite_tokens": classes.nonfinite, "invalid_labels": classes.invalid_label}
 
     def _token_problems(self, states: SyncedStates) -> dict[str, Number]:
         """``nonfinite_tokens`` / ``invalid_labels`` when non-zero; raises on invalid labels if strict."""

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from .base import Metric, Number, SyncedStates
+from .groups import TokenSlices
 from .inputs import call_value, count_tokens, microbatches, with_call_values
 from .microbatch_view import ViewSpec, microbatch_views_of
 from .tensors import to_device
@@ -108,12 +109,9 @@ class LossMetric(Metric):
             valid = torch.isfinite(loss)
             weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
                       if reduction == "sum" else torch.ones_like(loss))
-            losses = torch.where(valid, loss, torch.zeros_like(loss))
-            self._add_tokens("loss_sum", losses)
-            self._add("nonfinite_losses", (~valid).sum())
             if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
                 # The report is the total; the per-token losses next to it give the groups and buckets only.
-                self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)))
+                self._add_loss(loss, weight, valid, ~valid, None)
                 token_losses = self._as_state("loss_sum", output["token_losses"])
                 per_token.append((batch, {"loss": token_losses, "group_ids": output.get("group_ids")}, True))
                 continue
@@ -123,11 +121,18 @@ class LossMetric(Metric):
             # Invalid ids are counted in tokens (as every metric counts them): a mean's tokens from its labels.
             grouped = self.group_names and ids is not None
             counted = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
-            groups = self._token_groups(ids, valid, counted)
-            self._add_to_groups("loss_sum", losses, groups)
-            self._add_tokens("weight", torch.where(valid, weight, torch.zeros_like(weight)), groups)
+            self._add_loss(loss, weight, valid, ~valid, self._token_groups(ids, valid, counted))
         if per_token:
             self._add_token_losses(per_token)
+
+    def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
+                  groups: Optional[TokenSlices]) -> None:
+        """Add a microbatch's valid losses and weights (a value or per token) and its non-finite count, in one
+        op (see :meth:`Metric._add_token_sums`)."""
+        if weight.shape != loss.shape:  # a count given as [1] (or more) next to a microbatch's 0-d loss
+            weight = weight.sum()
+        self._add_token_sums({"loss_sum": loss, "weight": weight}, valid, groups,
+                             {"nonfinite_losses": nonfinite.sum(dtype=torch.float64)})
 
     def _add_token_losses(self, per_token: list[tuple[Any, dict, bool]]) -> None:
         """Per-token losses, matched under CP by the microbatches' views: Σ over the counted finite tokens, and
@@ -143,14 +148,10 @@ class LossMetric(Metric):
             mask = to_device(view.mask, loss.device)
             valid = mask & torch.isfinite(loss)
             groups = self._token_groups(view.group_ids, valid, mask, view.sequence_positions)
-            losses, weight = torch.where(valid, loss, torch.zeros_like(loss)), valid.to(torch.float64)
             if slices_only:
-                self._add_to_groups("loss_sum", losses, groups)
-                self._add_to_groups("weight", weight, groups)
+                self._add_to_groups({"loss_sum": loss, "weight": valid}, valid, groups)
             else:
-                self._add_tokens("loss_sum", losses, groups)
-                self._add_tokens("weight", weight, groups)
-                self._add("nonfinite_losses", (mask & ~valid).sum())
+                self._add_loss(loss, valid.to(torch.float64), valid, mask & ~valid, groups)
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:

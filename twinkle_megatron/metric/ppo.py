@@ -88,33 +88,23 @@ class PPOValueMetric(Metric):
 
     def _accumulate_microbatch(self, batch: MicrobatchView) -> None:
         values = batch.tensors["values"].to(torch.float64)
-        device = values.device
         mask = batch.mask
         finite = torch.isfinite(values)
-        self._add("misaligned_arrays", batch.misaligned_arrays)
+        misaligned = batch.misaligned_arrays
         per_token = batch.values
         for name in per_token:
             finite &= torch.isfinite(per_token[name])
         valid = mask & finite
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-
-        def total(tensor: torch.Tensor) -> torch.Tensor:
-            return torch.where(valid, tensor, zero).sum()
-
         returns, residual = per_token["returns"], per_token["returns"] - values
-        self._add("nonfinite_tokens", (mask & ~finite).sum())
-        self._add("tokens", valid.sum())
-        self._add("value_sum", total(values))
-        self._add("return_sum", total(returns))
-        self._add("return_square_sum", total(returns * returns))
-        self._add("residual_sum", total(residual))
-        self._add("residual_square_sum", total(residual * residual))
-        self._add("clipped", (valid & ((values - per_token["old_values"]).abs() > self.epsilon)).sum())
+        # Every per-token statistic masked by ``valid`` and added in one op (see Metric._add_token_sums).
+        sums = {"tokens": valid, "value_sum": values, "return_sum": returns, "return_square_sum": returns * returns,
+                "residual_sum": residual, "residual_square_sum": residual * residual,
+                "clipped": (values - per_token["old_values"]).abs() > self.epsilon}
         if "advantages" in per_token:
             advantages = per_token["advantages"]
-            self._add("advantage_tokens", valid.sum())
-            self._add("advantage_sum", total(advantages))
-            self._add("advantage_square_sum", total(advantages * advantages))
+            sums.update(advantage_tokens=valid, advantage_sum=advantages, advantage_square_sum=advantages * advantages)
+        self._add_token_sums(sums, valid, None, {"nonfinite_tokens": (mask & ~finite).sum(dtype=torch.float64),
+                                                 "misaligned_arrays": misaligned})
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = states.counts(("nonfinite_tokens", "misaligned_arrays"), prefix="train/")

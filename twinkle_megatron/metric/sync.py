@@ -61,6 +61,7 @@ import hashlib
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from ..parallel import ParallelContext, all_gather_records, all_reduce_sum_and_max
 
@@ -175,6 +176,20 @@ def reduced_state_dicts(metrics: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ the collectives
+
+
+def gather_results(metric: Any, local_results: list) -> list:
+    """``metric``'s Twinkle helper ``gather_results``: the concatenation, on every rank, of the lists of every
+    rank whose data counts (``metric.counts_here()``), in rank order; one ``all_gather_object`` over the
+    reduction group (collective)."""
+    context = metric.context
+    mine = list(local_results) if metric.counts_here() else []
+    if not context.distributed or context.reduce_size == 1:
+        return mine
+    gathered: list = [None] * context.reduce_size
+    dist.all_gather_object(gathered, mine, group=context.reduce_group)
+    return [item for rank_results in gathered for item in rank_results]
+
 
 
 def sync(metrics: Sequence[Any]) -> list[SyncedStates]:

@@ -43,10 +43,9 @@ class TokenStatsMetric(LogitsMetric):
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         for batch, classes, groups in self._token_batches(inputs, outputs, kwargs):
             stats = batch.stats
-            zero = torch.zeros((), dtype=stats.entropy.dtype, device=stats.entropy.device)
-            self._add_tokens("logprob_sum", torch.where(classes.counted, stats.logprobs, zero), groups)
-            self._add_tokens("entropy_sum", torch.where(classes.counted, stats.entropy, zero), groups)
-            self._add_tokens("tokens", classes.counted, groups)
+            problems = {name: tokens.sum(dtype=torch.float64) for name, tokens in self.problem_counts(classes).items()}
+            self._add_token_sums({"logprob_sum": stats.logprobs, "entropy_sum": stats.entropy,
+                                  "tokens": classes.counted}, classes.counted, groups, problems)
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results = self._token_problems(states)
