@@ -23,10 +23,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
+from step_overhead import seconds_per_call
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -54,28 +54,18 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         optimizer.step()
         tracker.end_step()
 
-    def timed(fn, repeats: int) -> float:
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / repeats
-        begin = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - begin) / repeats
+    def record() -> None:
+        trackers["norms"].record_grad_norms(chunks, optimizer)
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # timed with CUDA events on a GPU
     for mode in ("step", "norms"):
         step(mode)  # warm-up (and the first log step)
     rounds: dict[str, list[float]] = {"step": [], "norms": [], "record": []}
     for index in range(args.rounds):
         order = ["step", "norms"] if index % 2 == 0 else ["norms", "step"]
         for mode in order:
-            rounds[mode].append(timed(lambda m=mode: step(m), args.repeats))
-        rounds["record"].append(timed(lambda: trackers["norms"].record_grad_norms(chunks, optimizer), args.repeats))
+            rounds[mode].append(seconds_per_call(lambda m=mode: step(m), args.repeats, device))
+        rounds["record"].append(seconds_per_call(record, args.repeats, device))
     return {mode: statistics.median(times) for mode, times in rounds.items()}
 
 

@@ -27,27 +27,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
+from step_overhead import seconds_per_call
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-
-
-def _timed(fn, repeats: int, cuda: bool) -> float:
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / repeats
-    begin = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - begin) / repeats
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -89,13 +74,13 @@ def measure(args: argparse.Namespace) -> dict:
         for mode in order:
             hooks = MoERoutingHooks([layer.router], metric, on_error=lambda where, error: errors.append(error)) \
                 if mode == "router + hooks" else None
-            elapsed = _timed(router, args.repeats, cuda)
+            elapsed = seconds_per_call(router, args.repeats, device)
             if hooks is not None:
                 hooks.detach()
             if round_:  # round 0 warms up
                 times[mode].append(elapsed)
         if round_ and round_ % 4 == 1:
-            times["MoE layer"].append(_timed(forward, 1, cuda))
+            times["MoE layer"].append(seconds_per_call(forward, 1, device))
     if errors:
         raise errors[0]
     medians = {mode: statistics.median(values) for mode, values in times.items()}

@@ -31,29 +31,14 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from step_overhead import forward_step  # Megatron-LM's forward_step and per-token loss_func, shared with gpu-check
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "plugin", "plugin + tracker", "fused loss", "fused loss + tracker")
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron-LM's per-token loss: ``(loss_sum, num_tokens, {'lm loss': [sum, count]})``."""
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
 
 
 def build(args: argparse.Namespace):

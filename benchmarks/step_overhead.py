@@ -175,6 +175,15 @@ class BlockTimer:
             out.append(time.perf_counter() - begin)
 
 
+def seconds_per_call(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Mean seconds per call of ``fn`` over ``repeats`` calls timed as one block (:class:`BlockTimer`)."""
+    seconds: list = []
+    with BlockTimer(device).measure(seconds):
+        for _ in range(repeats):
+            fn()
+    return seconds[0] / repeats
+
+
 def measure(spec: StepSpec, device: torch.device,
             on_round: Optional[Callable[[int], None]] = None) -> tuple[dict[str, ModeResult], dict]:
     """Run the interleaved blocks; returns per-mode results and facts about the setup."""

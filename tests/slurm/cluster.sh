@@ -17,8 +17,10 @@
 # key and socket, state, spool, logs, pid files. Clients find the cluster through
 #   export SLURM_CONF=$SLURM_TEST_DIR/slurm.conf
 # Every wait is bounded; the ports are $SLURM_TEST_PORT (slurmctld) and the next two (slurmd).
+# What it shares with tests/slurm/multinode.sh (most of slurm.conf, munged, waits): tests/slurm/slurm_common.sh.
 set -euo pipefail
 
+HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=${SLURM_TEST_DIR:-/tmp/twinkle-slurm-test}
 PORT=${SLURM_TEST_PORT:-16817}
 NODES=(n1 n2)
@@ -27,6 +29,8 @@ START_TIMEOUT=${SLURM_TEST_START_TIMEOUT:-60}  # seconds for the nodes to become
 export SLURM_CONF="$DIR/slurm.conf"
 
 say() { echo "[cluster] $*" >&2; }
+# shellcheck source=tests/slurm/slurm_common.sh
+source "$HERE/slurm_common.sh"
 
 install_packages() {
     local missing=()
@@ -62,58 +66,17 @@ install_packages() {
 }
 
 write_config() {
-    mkdir -p "$DIR"/{munge,state,log,run}
-    chmod 755 "$DIR/munge"  # munged wants its socket directory searchable by all
-    for node in "${NODES[@]}"; do mkdir -p "$DIR/spool/$node"; done
+    make_dirs "${NODES[@]}"
     local node_lines="" index=0
     for node in "${NODES[@]}"; do
         index=$((index + 1))
         node_lines+="NodeName=$node NodeAddr=127.0.0.1 NodeHostname=$(hostname) Port=$((PORT + index)) "
         node_lines+="CPUs=$CPUS_PER_NODE State=UNKNOWN"$'\n'
     done
-    cat > "$SLURM_CONF" <<EOF
-# Written by tests/slurm/cluster.sh: a one-host test cluster on 127.0.0.1.
-ClusterName=twinkle-test
-SlurmctldHost=$(hostname)(127.0.0.1)
-SlurmctldPort=$PORT
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# cred_expire also delays the start of a requeued job (default 120 s): keep the tests short.
-AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=5
-StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool/%n
-SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd-%n.pid
-SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-# No cgroups in a container: track job processes by their parent pids, bind nothing.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SwitchType=switch/none
-SchedulerType=sched/backfill
-# Look at pending jobs every 2 s (default 60): a requeued job starts as soon as it may.
-SchedulerParameters=sched_interval=2,bf_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-# Trust the CPUs written here: two nodes share the host's cores.
-SlurmdParameters=config_overrides
-ReturnToService=2
-KillWait=30
-MinJobAge=600
-InactiveLimit=0
-SlurmdTimeout=60
-SlurmctldTimeout=60
-$node_lines
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-EOF
+    {
+        echo "# Written by tests/slurm/cluster.sh: a one-host test cluster on 127.0.0.1."
+        slurm_conf twinkle-test "$(hostname)(127.0.0.1)" "$PORT" 60 "$node_lines"
+    } > "$SLURM_CONF"
 }
 
 # start_daemon NAME COMMAND...: run COMMAND in the foreground as a background child, pid in run/NAME.pid.
@@ -124,19 +87,6 @@ start_daemon() {
     echo $! > "$DIR/run/$name.child"
 }
 
-wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND until it succeeds
-    local seconds=$1 what=$2
-    shift 2
-    local deadline=$((SECONDS + seconds))
-    until "$@" >/dev/null 2>&1; do
-        if (( SECONDS >= deadline )); then
-            say "timed out after ${seconds}s waiting for $what"
-            return 1
-        fi
-        sleep 0.5
-    done
-}
-
 nodes_idle() {
     local states
     states=$(sinfo --noheader --Node --format='%N %t' 2>/dev/null) || return 1
@@ -144,8 +94,8 @@ nodes_idle() {
 }
 
 start() {
-    if [[ -n $(running_children) ]]; then
-        say "already running (pids $(running_children)); stop it first"
+    if [[ -n $(alive_children) ]]; then
+        say "already running (pids $(alive_children)); stop it first"
         exit 1
     fi
     mkdir -p "$DIR"
@@ -154,14 +104,7 @@ start() {
     write_config
     # Stop what was started if anything below fails.
     trap 'say "start failed; stopping what was started"; stop_daemons' ERR
-    if [[ ! -s $DIR/munge/munge.key ]]; then
-        dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
-        chmod 400 "$DIR/munge/munge.key"
-    fi
-    start_daemon munged munged --foreground --force --key-file="$DIR/munge/munge.key" \
-        --socket="$DIR/munge/munge.socket" --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" \
-        --seed-file="$DIR/munge/munged.seed"
-    wait_for 20 munged test -S "$DIR/munge/munge.socket"
+    start_munged
     start_daemon slurmctld slurmctld -D -f "$SLURM_CONF"
     wait_for 30 slurmctld scontrol ping
     for node in "${NODES[@]}"; do
@@ -172,38 +115,19 @@ start() {
     say "up: $(sinfo --noheader --Node --format='%N:%t:%c' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
 }
 
-running_children() {
-    local pid_file pid pids=()
-    for pid_file in "$DIR"/run/*.child; do
-        [[ -e $pid_file ]] || continue
-        pid=$(<"$pid_file")
-        if kill -0 "$pid" 2>/dev/null; then pids+=("$pid"); fi
-    done
-    echo "${pids[*]}"
-}
-
 stop_daemons() {
     # The slurmd first (their job steps end with them), then slurmctld, then munged.
-    local name pid_file pid
+    local name pid_file
     for name in slurmd-n2 slurmd-n1 slurmctld munged; do
         pid_file="$DIR/run/$name.child"
         [[ -e $pid_file ]] || continue
-        pid=$(<"$pid_file")
-        if kill -0 "$pid" 2>/dev/null; then
-            kill -TERM "$pid" 2>/dev/null || true
-            local deadline=$((SECONDS + 20))
-            while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 0.2; done
-            if kill -0 "$pid" 2>/dev/null; then
-                say "$name (pid $pid) ignored TERM for 20s: KILL"
-                kill -KILL "$pid" 2>/dev/null || true
-            fi
-        fi
+        stop_pid "$name" "$(<"$pid_file")"
         rm -f "$pid_file"
     done
 }
 
 stop() {
-    if [[ -z $(running_children) ]]; then
+    if [[ -z $(alive_children) ]]; then
         say "not running"
         return 0
     fi
@@ -219,7 +143,7 @@ stop() {
     fi
     stop_daemons
     local left
-    left=$(running_children)
+    left=$(alive_children)
     if [[ -n $left ]]; then
         say "still running: $left"
         exit 1

@@ -19,15 +19,12 @@
 #                      (slurmd, job steps, tasks) is killed.
 #   restore-node NODE  the host comes back: the cable is plugged in and its slurmd started again.
 #
-# Why these Slurm options (Debian's slurm-wlm 22.05 build, no systemd, inside a container):
-#   ProctrackType=proctrack/linuxproc, TaskPlugin=task/none, no cgroup.conf: the container gives no writable
-#     cgroup hierarchy, so processes are tracked by their parent pids and nothing is bound to cores.
+# Why these Slurm options (Debian's slurm-wlm 22.05 build, no systemd, inside a container): the comments of
+# the slurm.conf both test clusters share (slurm_conf in tests/slurm/slurm_common.sh). Here besides:
 #   daemons entered with `nsenter --net` (+ `unshare --uts --mount`), never `ip netns exec`: that remounts /sys,
-#     and slurmd 22.05 then fails to initialise its cgroup plugin (it loads it even with the options above).
-#   SlurmdParameters=config_overrides: both hosts share the machine's cores; the CPUs written here are trusted.
-#   SlurmdTimeout=$NODE_TIMEOUT: how soon a lost host is declared down and its jobs requeued.
-#   ReturnToService=2: a host that was down becomes usable again as soon as its slurmd registers.
-#   AuthInfo cred_expire=5: a requeued job may start again 5 s after it ended (default 120 s).
+#     and slurmd 22.05 then fails to initialise its cgroup plugin (it loads it even with ProctrackType=
+#     proctrack/linuxproc and TaskPlugin=task/none).
+#   SlurmdTimeout=$NODE_TIMEOUT: a lost host is declared down, and its jobs requeued, within seconds.
 #
 # Addresses: $SUBNET.1 (hub), $SUBNET.11 (mn1), $SUBNET.12 (mn2), on the test's own interfaces only, inside
 # its own namespaces; nothing is routed anywhere else. Files: $SLURM_MN_DIR (default
@@ -50,24 +47,11 @@ say() { echo "[multinode] $*" >&2; }
 netns() { echo "$PREFIX-$1"; }              # the namespace of a host
 address() { echo "$SUBNET.$((10 + ${1#mn}))"; }  # mn1 -> SUBNET.11
 in_hub() { nsenter --net="/run/netns/$HUB" "$@"; }
-
-wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND until it succeeds
-    local seconds=$1 what=$2
-    shift 2
-    local deadline=$((SECONDS + seconds))
-    until "$@" >/dev/null 2>&1; do
-        if (( SECONDS >= deadline )); then
-            say "timed out after ${seconds}s waiting for $what"
-            return 1
-        fi
-        sleep 0.5
-    done
-}
+# shellcheck source=tests/slurm/slurm_common.sh
+source "$HERE/slurm_common.sh"
 
 write_config() {
-    mkdir -p "$DIR"/{munge,state,log,run}
-    chmod 755 "$DIR/munge"
-    for node in "${NODES[@]}"; do mkdir -p "$DIR/spool/$node"; done
+    make_dirs "${NODES[@]}"
     {
         echo "127.0.0.1 localhost"
         echo "$SUBNET.1 $CONTROLLER"
@@ -77,44 +61,10 @@ write_config() {
     for node in "${NODES[@]}"; do
         node_lines+="NodeName=$node NodeAddr=$(address "$node") NodeHostname=$node CPUs=$CPUS_PER_NODE State=UNKNOWN"$'\n'
     done
-    cat > "$SLURM_CONF" <<EOF
-# Written by tests/slurm/multinode.sh: two hosts in network namespaces, the controller in a third.
-ClusterName=twinkle-multinode
-SlurmctldHost=$CONTROLLER($SUBNET.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=5
-StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool/%n
-SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd-%n.pid
-SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SwitchType=switch/none
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-ReturnToService=2
-KillWait=30
-MinJobAge=600
-InactiveLimit=0
-SlurmdTimeout=$NODE_TIMEOUT
-SlurmctldTimeout=60
-$node_lines
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-EOF
+    {
+        echo "# Written by tests/slurm/multinode.sh: two hosts in network namespaces, the controller in a third."
+        slurm_conf twinkle-multinode "$CONTROLLER($SUBNET.1)" "" "$NODE_TIMEOUT" "$node_lines"
+    } > "$SLURM_CONF"
 }
 
 make_network() {
@@ -173,31 +123,13 @@ start() {
     write_config
     trap 'say "start failed; tearing down"; stop' ERR
     make_network
-    if [[ ! -s $DIR/munge/munge.key ]]; then
-        dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
-        chmod 400 "$DIR/munge/munge.key"
-    fi
-    munged --foreground --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
-        --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" \
-        </dev/null >>"$DIR/log/munged.stdout" 2>&1 &
-    echo $! > "$DIR/run/munged.child"
-    wait_for 20 munged test -S "$DIR/munge/munge.socket"
+    start_munged  # in the root namespace: its socket is a file every namespace reaches
     start_in slurmctld "$HUB" "$CONTROLLER" slurmctld -D -f "$SLURM_CONF"
     wait_for 30 slurmctld in_hub scontrol ping
     for node in "${NODES[@]}"; do start_slurmd "$node"; done
     wait_for "$START_TIMEOUT" "nodes ${NODES[*]} to be idle" nodes_idle
     trap - ERR
     say "up: $(in_hub sinfo --noheader --Node --format='%N:%t:%c' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
-}
-
-alive_children() {
-    local pid_file pid pids=()
-    for pid_file in "$DIR"/run/*.child; do
-        [[ -e $pid_file ]] || continue
-        pid=$(<"$pid_file")
-        if kill -0 "$pid" 2>/dev/null; then pids+=("$pid"); fi
-    done
-    echo "${pids[*]}"
 }
 
 our_namespaces() {
@@ -218,18 +150,6 @@ leftovers() {  # what of the cluster still exists, in words (empty: nothing)
     interfaces=$(ip -o link show | awk -F': ' '{print $2}' | grep -E '^(port-mn[0-9]|br0)(@|$)' || true)
     if [[ -n $interfaces ]]; then found+=("root-namespace interfaces $interfaces"); fi
     echo "${found[*]}"
-}
-
-stop_pid() {  # stop_pid NAME PID: TERM, then KILL after 20 s
-    local name=$1 pid=$2
-    kill -0 "$pid" 2>/dev/null || return 0
-    kill -TERM "$pid" 2>/dev/null || true
-    local deadline=$((SECONDS + 20))
-    while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 0.2; done
-    if kill -0 "$pid" 2>/dev/null; then
-        say "$name (pid $pid) ignored TERM for 20s: KILL"
-        kill -KILL "$pid" 2>/dev/null || true
-    fi
 }
 
 stop() {

@@ -37,22 +37,19 @@ no ``MASTER_ADDR``: the launcher takes the first node of ``SLURM_JOB_NODELIST``)
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import slurm_helpers as slurm
 
 from twinkle_megatron import keys
 
-ROOT = Path(__file__).resolve().parents[1].parent
-SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
-CLUSTER = ROOT / "tests" / "slurm" / "multinode.sh"
+CLUSTER = slurm.ROOT / "tests" / "slurm" / "multinode.sh"
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TWINKLE_SLURM_MULTINODE_TEST") != "1" or not os.environ.get("SLURM_CONF"),
@@ -64,89 +61,23 @@ NODE_TIMEOUT = 10  # SlurmdTimeout in multinode.sh
 KILL_WAIT = 30  # KillWait in multinode.sh
 GLOO_TIMEOUT = 300  # examples/train_gpt.py's process-group timeout: no rank may wait that long
 JOB_TIMEOUT = 420  # seconds per wait (ranks import megatron on a shared CPU)
-TIMING = re.compile(r"time|per_second|tflops|mfu|memory|slowest|elapse|speed")
-MODEL = "--device cpu --layers 2 --hidden-size 32 --heads 2 --seq-length 16"
-
-
-def _slurm(*command: str, timeout: float = 30) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(command)}: {done.stdout}{done.stderr}"
-    return done.stdout
 
 
 def _cluster(*command: str, timeout: float = 90) -> str:
-    return _slurm("bash", str(CLUSTER), *command, timeout=timeout)
+    return slurm.run("bash", str(CLUSTER), *command, timeout=timeout)
 
 
 def _submit(tmp: Path, name: str, nodes: int, ranks_per_node: int, microbatches: int) -> tuple[str, Path, Path]:
     """sbatch the recipe, TP2, with the CPU switch; returns (job id, run directory, job output file)."""
-    bin_dir = Path(sys.executable).parent
-    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update({"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable,
-                "GPUS_PER_NODE": str(ranks_per_node), "TP": "2", "PP": "1", "STEPS": str(STEPS),
-                "MICROBATCHES": str(microbatches), "MICRO_BATCH_SIZE": "2", "LOG_INTERVAL": "1",
-                "SAVE_INTERVAL": str(SAVE_INTERVAL), "LOG_DIR": str(tmp / "runs"), "BACKENDS": "stdout jsonl",
-                "TRAIN_ARGS": MODEL})
-    output = tmp / f"{name}.out"
-    job_id = subprocess.run(
-        ["sbatch", "--parsable", f"--job-name={name}", f"--nodes={nodes}", "--gpus-per-node=0",
-         "--cpus-per-task=1", f"--output={output}", "--time=00:20:00", str(SBATCH)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
-    return job_id, tmp / "runs" / f"{name}-{job_id}", output
-
-
-def _job(job_id: str) -> dict[str, str]:
-    fields = _slurm("scontrol", "show", "job", "--oneliner", job_id).split()
-    return dict(field.split("=", 1) for field in fields if "=" in field)
-
-
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
+    # No MASTER_ADDR nor MASTER_PORT: the launcher takes the first node of SLURM_JOB_NODELIST.
+    base = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = slurm.recipe_environment(tmp, ranks_per_node=ranks_per_node, tp=2, pp=1, steps=STEPS,
+                                   microbatches=microbatches, save_interval=SAVE_INTERVAL, base=base)
+    return slurm.sbatch(tmp, name, env, f"--nodes={nodes}", "--time=00:20:00")
 
 
 def _wait(what: str, condition, output: Path, timeout: float = JOB_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    log = output.read_text()[-6000:] if output.exists() else "(no job output)"
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; job output:\n{log}")
-
-
-def _finished(job_id: str):
-    job = _job(job_id)
-    return job if job["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
-
-
-def _running_past(job_id: str, run_dir: Path, restarts: int, step: int) -> bool:
-    job = _job(job_id)
-    records = _records(run_dir)
-    return bool(job["JobState"] == "RUNNING" and int(job["Restarts"]) == restarts and records
-                and records[-1]["step"] > step)
-
-
-def _deterministic(record: dict) -> dict:
-    return {key: value for key, value in record.items()
-            if not (key.startswith(("perf/", "memory/")) or TIMING.search(key))}
-
-
-def _assert_same_metrics(mine: list[dict], reference: list[dict], rel_tol: float) -> None:
-    assert [r["step"] for r in mine] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
-    for ours, theirs in zip(mine, reference):
-        ours, theirs = _deterministic(ours), _deterministic(theirs)
-        assert ours.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert math.isclose(ours[key], value, rel_tol=rel_tol, abs_tol=1e-6), (ours["step"], key, ours[key], value)
-
-
-def _stopped_steps(output: Path) -> list[int]:
-    text = output.read_text() if output.exists() else ""
-    return [int(step) for step in re.findall(r"\[train\] SIG\w+ received: stopped after step (\d+)", text)]
+    return slurm.wait(what, condition, output, timeout, interval=0.5)
 
 
 def _job_processes(node: str) -> dict[int, str]:
@@ -179,9 +110,9 @@ def _freeze_past_checkpoint(run_dir: Path, nodes, checkpoint: int, output: Path)
     cable may reach the next checkpoint, and the loss would no longer fall between two checkpoints."""
     while checkpoint + SAVE_INTERVAL <= STEPS:
         _wait(f"a step past checkpoint {checkpoint}",
-              lambda past=checkpoint: (records := _records(run_dir)) and records[-1]["step"] > past, output)
+              lambda past=checkpoint: (records := slurm.records(run_dir)) and records[-1]["step"] > past, output)
         _signal_job(nodes, signal.SIGSTOP)
-        logged = _records(run_dir)[-1]["step"]
+        logged = slurm.records(run_dir)[-1]["step"]
         if logged < checkpoint + SAVE_INTERVAL:
             return checkpoint, logged
         _signal_job(nodes, signal.SIGCONT)  # ran past the next checkpoint meanwhile: aim at the one after
@@ -198,7 +129,7 @@ def uninterrupted(tmp_path_factory):
             "tp-across": _submit(tmp, "tp-across", nodes=2, ranks_per_node=1, microbatches=4)}
     started = time.monotonic()
     for name, (job_id, _, output) in jobs.items():
-        job = _wait(f"job {name} to end", lambda job_id=job_id: _finished(job_id), output)
+        job = _wait(f"job {name} to end", lambda job_id=job_id: slurm.finished(job_id), output)
         assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", output.read_text()[-6000:]
     print(f"uninterrupted jobs: {time.monotonic() - started:.0f}s")
     return jobs
@@ -223,7 +154,7 @@ def test_two_nodes_one_torchrun_each_rendezvous_across_hosts(uninterrupted):
 def test_the_log_is_written_once_by_the_designated_rank(uninterrupted):
     _, run_dir, output = uninterrupted["two"]
     text = output.read_text()
-    records = _records(run_dir)
+    records = slurm.records(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert len(re.findall(r"^step (\d+) \|", text, flags=re.M)) == STEPS, "stdout lines: one rank prints"
     assert records[-1][keys.CONSUMED_TOKENS] == STEPS * 2 * 2 * 2 * 15  # steps × DP × microbatches × mbs × (seq − 1)
@@ -234,37 +165,38 @@ def test_the_log_is_written_once_by_the_designated_rank(uninterrupted):
 def test_the_straggler_view_names_the_node_of_the_slowest_rank(uninterrupted):
     _, run_dir, output = uninterrupted["two"]
     hosts = json.loads((run_dir / "hosts.json").read_text())["hosts"]
-    last = _records(run_dir)[-1][keys.SLOWEST_RANK]
+    last = slurm.records(run_dir)[-1][keys.SLOWEST_RANK]
     found = re.search(r"^slowest node: (.*); last: rank (\d+) on (\w+)$", output.read_text(), flags=re.M)
     assert found, output.read_text()[-3000:]
     assert int(found.group(2)) == last and found.group(3) == hosts[last]
 
 
 def test_two_nodes_equal_one_node_on_the_same_global_batch(uninterrupted):
-    one = _records(uninterrupted["one"][1])
-    _assert_same_metrics(_records(uninterrupted["two"][1]), one, rel_tol=1e-5)
-    _assert_same_metrics(_records(uninterrupted["tp-across"][1]), one, rel_tol=1e-5)
+    one = slurm.records(uninterrupted["one"][1])
+    slurm.assert_same_metrics(slurm.records(uninterrupted["two"][1]), one, STEPS, rel_tol=1e-5)
+    slurm.assert_same_metrics(slurm.records(uninterrupted["tp-across"][1]), one, STEPS, rel_tol=1e-5)
 
 
 def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(uninterrupted, tmp_path):
     job_id, run_dir, output = _submit(tmp_path, "faults", nodes=2, ranks_per_node=2, microbatches=2)
     started = time.monotonic()
     # 1. The time-limit warning: USR1 to the batch script, which passes it on and requeues after the save.
-    _wait("the first steps", lambda: len(_records(run_dir)) >= 2, output)
-    _slurm("scancel", "--batch", "--signal=USR1", job_id)
-    _wait("the resumed job (restart 1)", lambda: _running_past(job_id, run_dir, 1, 0) and _stopped_steps(output),
-          output)
-    first_stop = _stopped_steps(output)[0]
+    _wait("the first steps", lambda: len(slurm.records(run_dir)) >= 2, output)
+    slurm.run("scancel", "--batch", "--signal=USR1", job_id)
+    _wait("the resumed job (restart 1)",
+          lambda: slurm.running_past(job_id, run_dir, 1, 0) and slurm.stopped_steps(output), output)
+    first_stop = slurm.stopped_steps(output)[0]
     # 2. Preemption: `scontrol requeue` sends TERM to every process; Slurm requeues the job itself.
-    _wait("steps after the first resume", lambda: _running_past(job_id, run_dir, 1, first_stop + 1), output)
-    _slurm("scontrol", "requeue", job_id)
+    _wait("steps after the first resume", lambda: slurm.running_past(job_id, run_dir, 1, first_stop + 1), output)
+    slurm.run("scontrol", "requeue", job_id)
     _wait("the resumed job (restart 2)",
-          lambda: _running_past(job_id, run_dir, 2, 0) and len(_stopped_steps(output)) == 2, output)
-    second_stop = _stopped_steps(output)[1]
+          lambda: slurm.running_past(job_id, run_dir, 2, 0) and len(slurm.stopped_steps(output)) == 2, output)
+    second_stop = slurm.stopped_steps(output)[1]
     # 3. A host lost mid-run, one step past a checkpoint (SAVE_INTERVAL - 1 steps before the next, which leaves
     #    time to act): the host of rank 0 (the batch script, the rendezvous store, the log writer) vanishes:
     #    its cable is cut, every process on it killed.
-    _wait("the job running after the second resume", lambda: _running_past(job_id, run_dir, 2, second_stop), output)
+    _wait("the job running after the second resume", lambda: slurm.running_past(job_id, run_dir, 2, second_stop),
+          output)
     hosts = json.loads((run_dir / "hosts.json").read_text())["hosts"]
     lost_node = hosts[0]
     survivor = next(host for host in hosts if host != lost_node)
@@ -275,7 +207,7 @@ def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(
     _signal_job([survivor], signal.SIGCONT)
     # The survivors wait in gloo for a peer that never answers: Slurm must end them, well before gloo would.
     bound = 2 * NODE_TIMEOUT + KILL_WAIT + 60  # detection, KillWait, and slack for a loaded machine
-    _wait("the job to be requeued after the node loss", lambda: int(_job(job_id)["Restarts"]) == 3, output,
+    _wait("the job to be requeued after the node loss", lambda: int(slurm.job(job_id)["Restarts"]) == 3, output,
           timeout=bound)
     requeued = time.monotonic() - lost
     _wait(f"every process of the job on {survivor} to end", lambda: not _job_processes(survivor), output,
@@ -285,7 +217,7 @@ def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(
           f"{ended:.0f}s (SlurmdTimeout {NODE_TIMEOUT}s, KillWait {KILL_WAIT}s, gloo timeout {GLOO_TIMEOUT}s)")
     assert ended < GLOO_TIMEOUT
     _cluster("restore-node", lost_node)
-    job = _wait("the job to end after its third restart", lambda: _finished(job_id), output)
+    job = _wait("the job to end after its third restart", lambda: slurm.finished(job_id), output)
     print(f"faults job {job_id}: {time.monotonic() - started:.0f}s")
     text = output.read_text()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0" and job["Restarts"] == "3", text[-6000:]
@@ -296,8 +228,8 @@ def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(
     assert second_stop < resumed[2] < STEPS and resumed[2] % SAVE_INTERVAL == 0, resumed
     assert checkpoint <= resumed[2] <= logged_before_loss, "the last checkpoint saved before the loss"
     assert logged_before_loss > resumed[2], "steps logged after the last checkpoint were run and logged again"
-    records = _records(run_dir)
+    records = slurm.records(run_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "every step exactly once, in order"
-    reference = _records(uninterrupted["two"][1])
-    _assert_same_metrics(records, reference, rel_tol=1e-5)
+    reference = slurm.records(uninterrupted["two"][1])
+    slurm.assert_same_metrics(records, reference, STEPS, rel_tol=1e-5)
     assert records[-1][keys.CONSUMED_TOKENS] == reference[-1][keys.CONSUMED_TOKENS]
