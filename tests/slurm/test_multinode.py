@@ -36,6 +36,7 @@ no ``MASTER_ADDR``: the launcher takes the first node of ``SLURM_JOB_NODELIST``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,6 +44,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import slurm_helpers as slurm
@@ -95,30 +97,37 @@ def _job_processes(node: str) -> dict[int, str]:
 
 
 def _signal_job(nodes, signum: int) -> None:
+    """``signum`` to the job's Python processes on ``nodes`` (torchrun and the ranks; Slurm's own daemons and
+    the batch shell keep running, so that Slurm can still deliver its signals)."""
     for node in nodes:
-        for pid in _job_processes(node):
+        for pid, command in _job_processes(node).items():
+            if "python" not in command and "torchrun" not in command:
+                continue
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass  # ended meanwhile
 
 
-def _freeze_past_checkpoint(run_dir: Path, nodes, checkpoint: int, output: Path) -> tuple[int, int]:
-    """Freeze every process of the job (SIGSTOP) once a step past ``checkpoint`` is logged and before the
-    next checkpoint; returns (that checkpoint, the last step logged). A tiny model's steps take 0.1 s on an
-    idle machine: the log is read every 10 ms (the file only, no Slurm command), and the job frozen at once,
-    so that the loss falls between two checkpoints however fast the steps."""
-    while checkpoint + SAVE_INTERVAL <= STEPS:
-        slurm.wait(f"a step past checkpoint {checkpoint}",
-                   lambda past=checkpoint: (records := slurm.records(run_dir)) and records[-1]["step"] > past,
-                   output, JOB_TIMEOUT, interval=0.01)
-        _signal_job(nodes, signal.SIGSTOP)
-        logged = slurm.records(run_dir)[-1]["step"]
-        if logged < checkpoint + SAVE_INTERVAL:
-            return checkpoint, logged
-        _signal_job(nodes, signal.SIGCONT)  # ran past the next checkpoint meanwhile: aim at the one after
-        checkpoint = logged // SAVE_INTERVAL * SAVE_INTERVAL
-    pytest.fail(f"the run is too short for a loss between checkpoints (last: {checkpoint})")
+def _freeze_past(run_dir: Path, nodes, step: int, output: Path) -> int:
+    """Freeze the job's processes (SIGSTOP) as soon as a step past ``step`` is logged; returns the last step
+    logged. A tiny model's steps take 0.1 s on an idle machine once a resumed run is going: the log is read
+    every 10 ms (the file only, no Slurm command) and the job frozen at once, so that what the test does next
+    lands at a known step however fast the steps come."""
+    slurm.wait(f"a step past {step}", lambda: (records := slurm.records(run_dir)) and records[-1]["step"] > step,
+               output, JOB_TIMEOUT, interval=0.01)
+    _signal_job(nodes, signal.SIGSTOP)
+    return slurm.records(run_dir)[-1]["step"]
+
+
+@contextlib.contextmanager
+def _frozen_past(run_dir: Path, nodes, step: int, output: Path) -> Iterator[int]:
+    """:func:`_freeze_past`, then the processes go on (SIGCONT) after the block."""
+    logged = _freeze_past(run_dir, nodes, step, output)
+    try:
+        yield logged
+    finally:
+        _signal_job(nodes, signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -183,24 +192,26 @@ def test_preempted_then_a_node_lost_resumes_with_nothing_lost_and_nothing_twice(
     started = time.monotonic()
     # 1. The time-limit warning: USR1 to the batch script, which passes it on and requeues after the save.
     _wait("the first steps", lambda: len(slurm.records(run_dir)) >= 2, output)
+    nodes = set(json.loads((run_dir / "hosts.json").read_text())["hosts"])
     slurm.run("scancel", "--batch", "--signal=USR1", job_id)
     _wait("the resumed job (restart 1)",
           lambda: slurm.running_past(job_id, run_dir, 1, 0) and slurm.stopped_steps(output), output)
     first_stop = slurm.stopped_steps(output)[0]
-    # 2. Preemption: `scontrol requeue` sends TERM to every process; Slurm requeues the job itself.
-    _wait("steps after the first resume", lambda: slurm.running_past(job_id, run_dir, 1, first_stop + 1), output)
-    slurm.run("scontrol", "requeue", job_id)
+    # 2. Preemption: `scontrol requeue` sends TERM to every process; Slurm requeues the job itself. Sent while
+    #    the resumed run is frozen one step in: it cannot have ended before the signal lands.
+    with _frozen_past(run_dir, nodes, first_stop + 1, output):
+        slurm.run("scontrol", "requeue", job_id)
     _wait("the resumed job (restart 2)",
           lambda: slurm.running_past(job_id, run_dir, 2, 0) and len(slurm.stopped_steps(output)) == 2, output)
     second_stop = slurm.stopped_steps(output)[1]
-    # 3. A host lost mid-run, one step past a checkpoint (SAVE_INTERVAL - 1 steps before the next, which leaves
-    #    time to act): the host of rank 0 (the batch script, the rendezvous store, the log writer) vanishes:
-    #    its cable is cut, every process on it killed.
-    #    Watched from the restart on: after a resume the steps come fast.
-    nodes = set(json.loads((run_dir / "hosts.json").read_text())["hosts"])
-    checkpoint, logged_before_loss = _freeze_past_checkpoint(
-        run_dir, nodes, (second_stop // SAVE_INTERVAL + 1) * SAVE_INTERVAL, output)
-    hosts = json.loads((run_dir / "hosts.json").read_text())["hosts"]  # this start's (frozen: it logged a step)
+    # 3. A host lost mid-run, one step past a checkpoint (SAVE_INTERVAL - 1 steps before the next): the host of
+    #    rank 0 (the batch script, the rendezvous store, the log writer) vanishes: its cable is cut, every
+    #    process on it killed. The run is frozen from the first step past the checkpoint to the cut.
+    checkpoint = (second_stop // SAVE_INTERVAL + 1) * SAVE_INTERVAL
+    assert checkpoint + SAVE_INTERVAL <= STEPS, (second_stop, "the run is too short for a loss between checkpoints")
+    logged_before_loss = _freeze_past(run_dir, nodes, checkpoint, output)
+    assert logged_before_loss < checkpoint + SAVE_INTERVAL, (checkpoint, logged_before_loss)
+    hosts = json.loads((run_dir / "hosts.json").read_text())["hosts"]  # this start's (it logged a step)
     lost_node = hosts[0]
     survivor = next(host for host in hosts if host != lost_node)
     _cluster("lose-node", lost_node)

@@ -118,8 +118,8 @@ def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call
               context: ParallelContext) -> list[MicrobatchView]:
     pairs = [(batch, output) for batch, output in pairs
              if spec.anchor in output or any(name in output for name in spec.instead)]
-    given = [_as_given(batch, output, spec) for batch, output in pairs]
     ids = [_group_ids(batch, output, spec) for batch, output in pairs]
+    given = [_as_given(batch, output, group_ids, spec) for (batch, output), group_ids in zip(pairs, ids)]
     # 2. The per-sequence values, per microbatch: ragged arrays onto the labels as given.
     masks = [_mask_as_given(tensors, spec) for tensors in given] if any(v is not None for v in per_call.values()) \
         else []
@@ -144,8 +144,9 @@ def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call
     return views
 
 
-def _as_given(batch: Mapping[str, Any], output: Mapping[str, Any], spec: ViewSpec) -> dict[str, tuple]:
-    """The microbatch's per-token tensors by name, with their sequence dimensions, before any CP cut."""
+def _as_given(batch: Mapping[str, Any], output: Mapping[str, Any], ids: Any, spec: ViewSpec) -> dict[str, tuple]:
+    """The microbatch's per-token tensors by name (its group ids too when per token), with their sequence
+    dimensions, before any CP cut."""
     labels = batch.get("labels")
     if labels is None:
         raise ValueError(f"{spec.metric} needs inputs['labels']")
@@ -163,7 +164,6 @@ def _as_given(batch: Mapping[str, Any], output: Mapping[str, Any], spec: ViewSpe
     if completion_mask is not None:
         completion_mask = as_rows(completion_mask) if spec.rows else completion_mask
         tensors["completion_mask"] = (completion_mask, completion_mask.dim() - 1)
-    ids = _group_ids(batch, output, spec)
     if isinstance(ids, torch.Tensor) and ids.dim() == labels.dim() > 1:
         tensors[GROUP_IDS] = (ids, ids.dim() - 1)
     logits = output.get(LOGITS) if spec.anchor == LOGITS else None
@@ -207,7 +207,7 @@ def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment
     ids = tensors.pop(GROUP_IDS, ids)  # per-token ids as matched under CP, per-sample ones as given
     labels = tensors["labels"]
     cut = labels.shape[-1] != given["labels"][0].shape[-1]  # whole sequences cut to this rank's chunks
-    _check(tensors, given, values, packed, ids, cut, cp.cp_gathered, spec, context)
+    _check(tensors, values, packed, ids, cut, cp.cp_gathered, spec, context)
     device = _device(tensors, spec)
     real = None if packed is None else packed.real.to(device).reshape(labels.shape)
     same_tokens = not cut and real is None and mask_as_given is not None and (
@@ -229,9 +229,10 @@ def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment
                           cp.positions, packed, first_sequence, cp.cp_gathered, cp.counts_here)
 
 
-def _check(tensors: Mapping[str, torch.Tensor], given: Mapping[str, tuple], values: Mapping[str, Any],
-           packed: Optional[PackedSequences], ids: Any, cut: bool, cp_gathered: bool, spec: ViewSpec,
-           context: ParallelContext) -> None:
+def _check(tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any], packed: Optional[PackedSequences],
+           ids: Any, cut: bool, cp_gathered: bool, spec: ViewSpec, context: ParallelContext) -> None:
+    """Shapes after the CP cut (per-sequence tensors like the anchor, per-token tensors like the labels), ragged
+    arrays only on whole sequences, and what a packed row cannot hold."""
     labels = tensors["labels"]
     for name, value in values.items():
         if value.per_token is not None and spec.anchor in tensors:
