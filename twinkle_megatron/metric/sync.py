@@ -191,7 +191,6 @@ def gather_results(metric: Any, local_results: list) -> list:
     return [item for rank_results in gathered for item in rank_results]
 
 
-
 def sync(metrics: Sequence[Any]) -> list[SyncedStates]:
     """The globally reduced states of each metric, with its gathered records, in order (see the module docstring)."""
     metrics = list(metrics)
