@@ -22,11 +22,11 @@ from kit.distributed import Layout, run_distributed
 from kit.guards import host_sync_free
 from kit.megatron_gpt import (
     GPTSpec,
+    blended_batch,
+    blended_reference,
     build_gpt_model,
     gpt_forward_step,
-    make_batch,
     pool_loss_reports,
-    reference_metrics,
     run_forward_backward,
 )
 
@@ -36,7 +36,6 @@ from twinkle_megatron.megatron.forward_step import StepSignature
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 TRUE_VOCAB = 60
 GROUPS = ("web", "code", "math")
-BLEND_IDS = torch.tensor([0, 1, 1, 0, 2, 0, 1, 2])  # one dataset_id per sample, as a BlendedDataset gives
 TIMEOUT = 120
 
 
@@ -54,21 +53,12 @@ def stateful_step(state: State, data_iterator, model, return_schedule_plan: bool
 
 
 def _batch() -> dict:
-    batch = make_batch(SPEC, 8, seed=4)
-    batch["labels"] = batch["labels"] % TRUE_VOCAB
-    batch["tokens"] = batch["tokens"] % TRUE_VOCAB
-    batch["dataset_id"] = BLEND_IDS
-    return batch
-
-
-def _reference() -> dict:
-    with cpu_cuda_shim():
-        return reference_metrics(SPEC, _batch(), TRUE_VOCAB, GROUPS)
+    return blended_batch(SPEC, TRUE_VOCAB)
 
 
 @functools.cache
 def reference() -> dict:
-    return run_distributed(_reference, layout=Layout(), timeout=TIMEOUT)[0]
+    return blended_reference(SPEC, TRUE_VOCAB, GROUPS, TIMEOUT)
 
 
 def _wired(wiring: str, model_given: bool) -> dict:

@@ -18,11 +18,10 @@ import os
 
 import megatron.core
 import pytest
-import torch
 from kit.cuda_shim import cpu_cuda_shim
 from kit.distributed import Layout, run_distributed
 from kit.megatron_bridge import BridgeUnavailable, ConfigContainer, GlobalState, ModelSettings, load_bridge
-from kit.megatron_gpt import GPTSpec, build_gpt_model, local_microbatches, make_batch, reference_metrics
+from kit.megatron_gpt import GPTSpec, blended_batch, blended_reference, build_gpt_model, local_microbatches
 from megatron.core import parallel_state
 from packaging.version import Version
 
@@ -51,21 +50,12 @@ WIRINGS = ("wrap the partial Bridge hands the schedule", "wrap forward_step, Bri
 def _batch() -> dict:
     """What Bridge's data loader yields, for the whole global batch: full sequences (Bridge splits CP itself)
     and a ``dataset_id`` per sample (megatron-core's BlendedDataset)."""
-    batch = make_batch(SPEC, GLOBAL_BATCH, seed=4)
-    batch["labels"] = batch["labels"] % TRUE_VOCAB
-    batch["tokens"] = batch["tokens"] % TRUE_VOCAB
-    batch["dataset_id"] = torch.tensor([0, 1, 1, 0, 2, 0, 1, 2])
-    return batch
-
-
-def _reference() -> dict:
-    with cpu_cuda_shim():
-        return reference_metrics(SPEC, _batch(), TRUE_VOCAB, GROUPS)
+    return blended_batch(SPEC, TRUE_VOCAB, GLOBAL_BATCH)
 
 
 @functools.cache
 def reference() -> dict:
-    return run_distributed(_reference, layout=Layout(), timeout=TIMEOUT)[0]
+    return blended_reference(SPEC, TRUE_VOCAB, GROUPS, TIMEOUT)
 
 
 def _state() -> GlobalState:

@@ -544,6 +544,31 @@ def pool_loss_reports(reports: Sequence[Mapping[str, torch.Tensor]], group=None)
     return pooled
 
 
+BLEND_IDS = (0, 1, 1, 0, 2, 0, 1, 2)  # one dataset_id per sample of 8, as a BlendedDataset gives
+
+
+def blended_batch(spec: GPTSpec, true_vocab: int, global_batch_size: int = 8, seed: int = 4) -> dict[str, torch.Tensor]:
+    """:func:`make_batch` with tokens and labels inside the ``true_vocab`` (the model's vocabulary is padded past
+    it) and a ``dataset_id`` per sample (:data:`BLEND_IDS`, repeated): the batch of the per-dataset tests."""
+    batch = make_batch(spec, global_batch_size, seed=seed)
+    batch["labels"] = batch["labels"] % true_vocab
+    batch["tokens"] = batch["tokens"] % true_vocab
+    batch["dataset_id"] = torch.tensor([BLEND_IDS[i % len(BLEND_IDS)] for i in range(global_batch_size)])
+    return batch
+
+
+def blended_reference(spec: GPTSpec, true_vocab: int, group_names: Sequence[str], timeout: float) -> dict[str, float]:
+    """:func:`reference_metrics` of :func:`blended_batch` on one forked rank (float64, full vocabulary)."""
+    from kit.cuda_shim import cpu_cuda_shim
+    from kit.distributed import Layout, run_distributed
+
+    def one_rank() -> dict:
+        with cpu_cuda_shim():
+            return reference_metrics(spec, blended_batch(spec, true_vocab), true_vocab, group_names)
+
+    return run_distributed(one_rank, layout=Layout(), timeout=timeout)[0]
+
+
 def reference_metrics(spec: GPTSpec, batch: Mapping[str, torch.Tensor], vocab_size: int,
                       group_names: Sequence[str] = (), group_key: str = "dataset_id") -> dict[str, float]:
     """World 1 (call inside a one-rank worker and the shim), float64, full vocabulary: ``accuracy``,
