@@ -102,6 +102,7 @@ def test_value_forms_agree_and_advantages_without_old_logps_add_no_clip():
         (old_tensor, torch.tensor(advantages)),                       # token tensor, one number per sequence
         ([old_tensor], [torch.tensor(advantages)[:, None].expand(3, 3)]),  # one tensor per microbatch
         (old, [[1.0, 1.0], -1.0, torch.tensor([1.0, 1.0])]),           # per-token arrays mixed with numbers
+        (old, [[1.0, 1.0], -1.0, [1.0, 1.0]]),                         # the same as Python lists and numbers
     ]
     results = []
     for old_form, advantage_form in forms:

@@ -35,7 +35,7 @@ class ManySums(tm.Metric):
 
     def add_one_by_one(self, values, valid, groups, count):
         for name, value in zip(NAMES, values):
-            self._add_tokens(name, torch.where(valid, value.to(torch.float64), 0.0), groups)
+            self._add_token_sums({name: torch.where(valid, value.to(torch.float64), 0.0)}, groups=groups)
         self._add("count", count)
         self._maximum_token_values({"high": torch.where(valid, values[0].to(torch.float64), float("-inf"))}, None,
                                    groups)

@@ -3,17 +3,18 @@
 A subclass declares its states in ``__init__`` with :meth:`Metric.add_state`
 (name, shape, and how it reduces across ranks: ``sum``, ``max`` or ``min``),
 updates them in ``accumulate`` only through :meth:`_add`, :meth:`_maximum`,
-:meth:`_minimum` and :meth:`_assign` (device ops, never a host sync), and turns
-the globally reduced states into Python numbers in :meth:`compute`.
+:meth:`_minimum` and :meth:`_assign` (device ops, never a host sync; values
+given as Python numbers are applied on the host until the states are read, see
+:mod:`.host_values`), and turns the globally reduced states into Python numbers
+in :meth:`compute`.
 
 ``calculate()`` is collective: every rank calls it and every rank gets the same
 dict. Ranks whose data does not count (earlier pipeline stages, TP ranks other
 than 0, see :meth:`ParallelContext.counts_here`) contribute identity values, so
 the collectives always line up and nothing is counted twice.
 
-``accumulate`` runs without autograd (every subclass's ``accumulate`` is wrapped
-in ``torch.no_grad()``): a metric never extends, nor keeps alive, the graph of
-the tensors it reads.
+Every subclass's ``accumulate`` runs behind :mod:`.call_boundary` (keywords
+checked, NumPy arrays as tensors, autograd off).
 
 When Twinkle is installed, :class:`Metric` also derives from
 ``twinkle.metric.Metric``, so Twinkle's ``add_metric`` / ``construct_class``
@@ -23,18 +24,19 @@ keep Twinkle out). Twinkle is never a dependency.
 
 from __future__ import annotations
 
-import functools
+import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Optional, Union
+from typing import Any, ClassVar, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..parallel import ParallelContext
-from .call_cache import call_values
+from .call_boundary import at_the_call_boundary
 from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenSlices, check_group_names, slice_states, token_groups
-from .inputs import arrays_as_tensors, given
-from .keywords import check_call, check_constructor_keywords, check_outputs_read, register_call_keywords
+from .host_values import HostValues, is_host_number
+from .inputs import given
+from .keywords import check_constructor_keywords, check_outputs_read, register_call_keywords
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
 from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
@@ -57,25 +59,6 @@ class StateSpec:
     @property
     def identity(self) -> float:
         return _IDENTITY[self.reduce]
-
-
-def _without_autograd(accumulate: Callable) -> Callable:
-    @functools.wraps(accumulate)
-    def accumulate_without_autograd(self: Metric, *args: Any, **kwargs: Any) -> Any:
-        if self.group_names and not any(name.endswith(GROUPED_SUFFIX) for name in self._specs):
-            # Known only once the subclass declared its states: at the first call, before any state changes.
-            raise ValueError(f"{type(self).__name__} has no per-group statistics; group_names={self.group_names} "
-                             "would report nothing per group (use it on the token-level metrics)")
-        if call_values() is None:  # numpy at the boundary (a collection's call crossed it already)
-            args, kwargs = arrays_as_tensors(args), arrays_as_tensors(kwargs, depth=3)
-        check_call(self, args[1] if len(args) > 1 else kwargs.get("outputs"), kwargs)
-        if not torch.is_grad_enabled():  # a collection's call: no_grad already
-            return accumulate(self, *args, **kwargs)
-        with torch.no_grad():
-            return accumulate(self, *args, **kwargs)
-
-    accumulate_without_autograd.__wrapped_without_autograd__ = True
-    return accumulate_without_autograd
 
 
 class Metric(_Base):
@@ -117,8 +100,8 @@ class Metric(_Base):
         super().__init_subclass__(**kwargs)
         register_call_keywords(cls.call_keywords)
         accumulate = cls.__dict__.get("accumulate")
-        if accumulate is not None and not getattr(accumulate, "__wrapped_without_autograd__", False):
-            cls.accumulate = _without_autograd(accumulate)
+        if accumulate is not None:
+            cls.accumulate = at_the_call_boundary(accumulate)
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
                  group_names: Optional[Any] = None, group_key: str = "dataset_id",
@@ -141,6 +124,7 @@ class Metric(_Base):
             self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
+        self._host = HostValues()  # updates given as Python numbers, folded into the states when they are read
         self.group_names = check_group_names(group_names)
         self.group_key = group_key
         self.position_buckets = check_position_buckets(position_buckets, seq_length)
@@ -197,30 +181,36 @@ class Metric(_Base):
     def _move_states(self, device: torch.device) -> None:
         self._states = {k: v.to(device) for k, v in self._states.items()}
 
-    def _add(self, name: str, value: Union[torch.Tensor, Number]) -> None:
+    def _add(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
+        """``state += value``. Python numbers (a number, or a list of one per element of the state) are added on
+        the host until the states are read (see :mod:`.host_values`): no launch per call."""
+        if self._host.update("add", name, value, self._states):
+            return
+        self._host.fold(self._states, (name,))
         state = self._states[name]  # updated in place: one op (launch) per update, no float64 copy first
-        if not isinstance(value, torch.Tensor):
-            state.add_(float(value))  # a Python number is a kernel argument: no fill, no host sync
-        elif value.device == state.device and value.shape == state.shape:
+        if not isinstance(value, torch.Tensor):  # a NumPy scalar and the like
+            value = self._as_state(name, value)
+        if value.device == state.device and value.shape == state.shape:
             state.add_(value.detach())
         else:
             self._states[name] = state + self._as_state(name, value)
 
-    def _maximum(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        value = self._as_state(name, value)
-        self._states[name] = torch.maximum(self._states[name], value)
+    def _maximum(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
+        if self._host.update("max", name, value, self._states):
+            return
+        self._host.fold(self._states, (name,))
+        self._states[name] = torch.maximum(self._states[name], self._as_state(name, value))
 
     def _minimum(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        value = self._as_state(name, value)
-        self._states[name] = torch.minimum(self._states[name], value)
+        self._host.fold(self._states, (name,))
+        self._states[name] = torch.minimum(self._states[name], self._as_state(name, value))
 
-    def _assign(self, name: str, value: Union[torch.Tensor, Number]) -> None:
+    def _assign(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
+        if self._host.update("replace", name, value, self._states):
+            return
+        self._host.drop(name)  # superseded
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
-
-    def _add_tokens(self, name: str, values: torch.Tensor, groups: Optional[TokenSlices] = None) -> None:
-        """Add Σ ``values`` (per token, 0 where not counted) to ``name``, and per slice to its twins."""
-        self._add_token_sums({name: values}, groups=groups)
 
     def _add_token_sums(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
                         groups: Optional[TokenSlices] = None, totals: Optional[Mapping[str, torch.Tensor]] = None
@@ -245,6 +235,7 @@ class Metric(_Base):
                      ) -> None:
         """Add each tensor of ``sums`` to its state, fold each of ``maxima`` into its state's max (each shaped like
         its state): one op for all sums, one for all maxima (see :func:`.token_sums.fold_into`)."""
+        self._host.fold(self._states, [*sums, *(maxima or {})])
         self._states = fold_into(fold_into(self._states, sums, add_in_place), maxima or {}, maximum_in_place)
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
@@ -275,6 +266,13 @@ class Metric(_Base):
         For "latest value" states such as ``grad_norm``: a NaN on one rank would
         otherwise win or lose the MAX depending on which rank holds it.
         """
+        if is_host_number(value):  # checked on the host: no launch
+            if math.isfinite(value):
+                self._assign(name, value)
+            else:
+                self._add(nonfinite_count, 1.0)
+            return
+        self._host.fold(self._states, (name, nonfinite_count))
         value = self._as_state(name, value).reshape(self._specs[name].shape)
         finite = torch.isfinite(value)
         self._states[name] = torch.where(finite, value, self._states[name])
@@ -327,6 +325,7 @@ class Metric(_Base):
 
     def reset(self) -> None:
         """Back to the identity of every state."""
+        self._host.clear()
         device = self._state_device()
         self._states = {
             name: torch.full(spec.shape, spec.identity, dtype=torch.float64, device=device)
@@ -352,6 +351,7 @@ class Metric(_Base):
 
     def sync_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""
+        self._host.fold(self._states)
         if self.counts_here():
             return self._states
         return {name: torch.full(spec.shape, spec.identity, dtype=torch.float64)
@@ -384,6 +384,7 @@ class Metric(_Base):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a run under any layout (sums to one rank, maxima and minima
         to every rank; see :mod:`.resume`)."""
+        self._host.clear()
         self._states = loaded_states(self, state_dict, self._state_device())
 
     # ------------------------------------------------------- Twinkle helpers
@@ -394,3 +395,4 @@ class Metric(_Base):
         TP rank 0, see :meth:`ParallelContext.counts_here`) in rank order, each once; one ``all_gather_object``
         over the reduction group."""
         return gather_results(self, local_results)
+

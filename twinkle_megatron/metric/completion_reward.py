@@ -22,11 +22,13 @@ from typing import Any, Mapping
 import torch
 
 from .base import Metric, Number, SyncedStates
+from .host_values import is_host_number
 from .inputs import call_value
 from .tensors import to_device
 
 GENERATE_TIME = "profiling/Time taken: generate"
 WEIGHT_SYNC_TIME = "profiling/Time taken: move_model_to_sampler"
+REWARD_STATES = ("reward_sum", "reward_square_sum", "reward_count", "reward_nonfinite")  # per slot: Σx, Σx², n, NaN/inf
 
 
 class CompletionRewardMetric(Metric):
@@ -85,10 +87,8 @@ class CompletionRewardMetric(Metric):
         self.max_reward_functions = max_reward_functions
         self.max_name_length = max_name_length
         slots, width = (max_reward_functions,), (max_reward_functions, max_name_length)
-        self.add_state("reward_sum", "sum", slots)
-        self.add_state("reward_square_sum", "sum", slots)
-        self.add_state("reward_count", "sum", slots)
-        self.add_state("reward_nonfinite", "sum", slots)
+        for name in REWARD_STATES:
+            self.add_state(name, "sum", slots)
         self.add_state("reward_names", "max", width)  # character codes; -inf: slot unused
         self.add_state("reward_names_min", "min", width)  # equal to reward_names unless ranks disagree
         for name in ("completion_length_sum", "completions", "generate_time_sum", "generate_times",
@@ -105,7 +105,10 @@ class CompletionRewardMetric(Metric):
         if lengths is None:
             completions = call_value("completions", kwargs, outputs)
             lengths = None if completions is None else [len(completion) for completion in completions]
-        if lengths is not None:
+        if lengths is not None and _host_list(lengths):  # kept on the host until the sync
+            self._add("completion_length_sum", math.fsum(float(length) for length in lengths))
+            self._add("completions", len(lengths))
+        elif lengths is not None:
             lengths = torch.as_tensor(lengths, dtype=torch.float64).reshape(-1)
             self._add("completion_length_sum", lengths.sum())
             self._add("completions", lengths.numel())
@@ -116,9 +119,8 @@ class CompletionRewardMetric(Metric):
                 self._add(f"{name}s", 1.0)
 
     def _accumulate_rewards(self, rewards: Mapping[str, Any]) -> None:
-        values = {self._slot(name): torch.as_tensor(value, dtype=torch.float64).reshape(-1)
-                  for name, value in rewards.items()}
-        if not values:
+        given = {self._slot(name): value for name, value in rewards.items()}
+        if not given:
             return
         if self._named_slots != self._slots:  # the names into their states (again after a reset)
             codes = torch.full((self.max_reward_functions, self.max_name_length), float("-inf"), dtype=torch.float64)
@@ -127,6 +129,17 @@ class CompletionRewardMetric(Metric):
             self._maximum("reward_names", codes)
             self._minimum("reward_names_min", torch.where(torch.isinf(codes), float("inf"), codes))
             self._named_slots = dict(self._slots)
+        if all(_host_list(value) for value in given.values()):  # Twinkle's lists: summed on the host
+            rows = [[0.0] * self.max_reward_functions for _ in REWARD_STATES]
+            for slot, value in given.items():
+                finite = [float(x) for x in value if math.isfinite(x)]
+                totals = (math.fsum(finite), math.fsum(x * x for x in finite), len(finite), len(value) - len(finite))
+                for row, total in zip(rows, totals):
+                    row[slot] = float(total)
+            for name, row in zip(REWARD_STATES, rows):
+                self._add(name, row)
+            return
+        values = {slot: torch.as_tensor(value, dtype=torch.float64).reshape(-1) for slot, value in given.items()}
         device = next(iter(values.values())).device
         per_slot = []  # each slot's [Σx, Σx², n, non-finite] (device ops: rewards are never read on the host here)
         for value in values.values():
@@ -136,8 +149,7 @@ class CompletionRewardMetric(Metric):
         slots = torch.tensor(list(values), device=device)
         rows = torch.zeros(4, self.max_reward_functions, dtype=torch.float64, device=device)
         rows.index_copy_(1, slots, torch.stack(per_slot, 1))
-        self._fold_totals(dict(zip(("reward_sum", "reward_square_sum", "reward_count", "reward_nonfinite"),
-                                  rows.unbind(0))))
+        self._fold_totals(dict(zip(REWARD_STATES, rows.unbind(0))))
 
     def _slot(self, name: str) -> int:
         if name not in self._slots:
@@ -190,6 +202,11 @@ class CompletionRewardMetric(Metric):
         self._slots = {_decode(names[slot]): slot for slot in range(self.max_reward_functions)
                        if names[slot, 0] != float("-inf")}
         self._named_slots = {}  # folded again at the next call (the same codes: no change)
+
+
+def _host_list(values: Any) -> bool:
+    """A list or tuple of Python numbers (Twinkle's form)."""
+    return isinstance(values, (list, tuple)) and all(is_host_number(value) for value in values)
 
 
 def _encode(name: str, width: int) -> list[float]:

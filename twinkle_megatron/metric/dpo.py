@@ -31,7 +31,7 @@ from .base import Metric, Number, SyncedStates
 from .inputs import call_value, given
 from .microbatch_view import MicrobatchView, ViewSpec, microbatch_views
 from .sequence_totals import once_per_sequence, sum_over_context_parallel
-from .tensors import to_device
+from .tensors import all_finite, to_device
 
 PAIR_LAYOUTS = ("interleaved", "halves")
 
@@ -130,7 +130,7 @@ class DPOMetric(Metric):
         policy = logps.to(torch.float64)
         ref = batch.tensors.get(REF_LOGPS)
         ref = to_device(ref, device).to(torch.float64) if ref is not None else None
-        finite = torch.isfinite(policy) if ref is None else torch.isfinite(policy) & torch.isfinite(ref)
+        finite = all_finite([policy] if ref is None else [policy, ref])
         tokens = batch.sequence_sum(mask.to(torch.float64))  # per row, or per packed sub-sequence
         nonfinite = batch.sequence_sum((mask & ~finite).to(torch.float64))
         sequence_logps = batch.sequence_sum(torch.where(mask & finite, policy, zero))

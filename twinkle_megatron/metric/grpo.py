@@ -56,7 +56,7 @@ from .logits_pass import check_vocab_size, logits_token_stats
 from .microbatch_view import MicrobatchView, ViewSpec, logits_sequence_dim, microbatch_views
 from .resume import holds_loaded_sums
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
-from .tensors import as_rows, check_same_shape, to_device
+from .tensors import all_finite, as_rows, check_same_shape, to_device
 from .token_sums import max_totals, sum_totals
 
 
@@ -234,7 +234,7 @@ class GRPOMetric(Metric):
         terms = shared_value(key, lambda: self._token_terms(batch, mask, groups, vocab_size, layout), keep=(batch,))
         sums = terms.sums
         if terms.log_ratio is not None and terms.advantages is not None:
-            low, high, total = self.clip_counts(terms.log_ratio, terms.advantages, terms.valid, batch)
+            low, high, total = self.clip_counts(terms, batch)
             # Token-level clip counts group like the tokens; GSPO's per-sequence ones by each sequence's group.
             clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
             sums = {**sums, **sum_totals(self.state_specs, {"clip_low": low, "clip_high": high, "clip_total": total},
@@ -253,18 +253,15 @@ class GRPOMetric(Metric):
         logps = batch.tensors["logps"]
         labels = to_device(batch.labels, logps.device)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
-        new = logps.to(torch.float64) * scale
-        finite = torch.isfinite(new)
+        new = logps.to(torch.float64) * scale if scale != 1.0 else logps.to(torch.float64)
         entropy = self._entropy(batch, labels, vocab_size, layout)
-        if entropy is not None:
-            finite &= torch.isfinite(entropy)
         per_token, misaligned = {}, batch.misaligned_arrays
         for name, key, factor in (("rollout", "rollout_logps", 1.0), ("old", "old_logps", scale),
                                   ("advantages", "advantages", 1.0)):
             values = batch.values.get(key)  # advantages come only with old log-probs (see accumulate)
             if values is not None:
                 per_token[name] = values * factor if factor != 1.0 else values  # old log-probs: T·logp_old
-                finite &= torch.isfinite(per_token[name])
+        finite = all_finite([new, *([] if entropy is None else [entropy]), *per_token.values()])
         valid = mask & finite
         sums: dict[str, torch.Tensor] = {"tokens": valid, "new_logp_sum": new}
         maxima: dict[str, torch.Tensor] = {}
@@ -303,15 +300,14 @@ class GRPOMetric(Metric):
                                    layout, self.ignore_index)
         return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
-    def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def clip_counts(self, terms: TokenTerms, batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(clipped low, clipped high, out of) per token (``[b, s]``), gated by the advantage sign.
 
         Subclasses may count per sequence instead (``[sequences]``): the caller sums either.
         """
-        ratio = torch.exp(log_ratio)
-        low = valid & (ratio < 1 - self.epsilon) & (advantages < 0)
-        high = valid & (ratio > 1 + self.epsilon_high) & (advantages > 0)
+        valid = terms.valid
+        low = valid & (terms.ratio < 1 - self.epsilon) & (terms.advantages < 0)
+        high = valid & (terms.ratio > 1 + self.epsilon_high) & (terms.advantages > 0)
         return low, high, valid
 
     def sync_records(self) -> Optional[list]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .grpo import GRPOMetric
+from .grpo import GRPOMetric, TokenTerms
 from .microbatch_view import MicrobatchView
 from .sequence_totals import once_per_sequence, sum_over_context_parallel
 
@@ -28,11 +28,10 @@ class GSPOMetric(GRPOMetric):
     the module docstring). The other keys are :class:`GRPOMetric`'s.
     """
 
-    def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        weights = valid.to(torch.float64)
-        partial = torch.stack([batch.sequence_sum(log_ratio * weights), batch.sequence_sum(weights),
-                               batch.sequence_sum(advantages * weights)], -1)
+    def clip_counts(self, terms: TokenTerms, batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weights = terms.valid.to(torch.float64)
+        partial = torch.stack([batch.sequence_sum(terms.log_ratio * weights), batch.sequence_sum(weights),
+                               batch.sequence_sum(terms.advantages * weights)], -1)
         log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context,
                                                                          batch.cp_gathered).unbind(-1)
         ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1.0))
@@ -52,12 +51,10 @@ class CISPOMetric(GRPOMetric):
     clip rate is only reported when advantages are passed).
     """
 
-    def clip_counts(self, log_ratio: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor,
-                     batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ratio = torch.exp(log_ratio)
-        low = valid & (ratio < 1 - self.epsilon)
-        high = valid & (ratio > 1 + self.epsilon_high)
-        return low, high, valid
+    def clip_counts(self, terms: TokenTerms, batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        low = terms.valid & (terms.ratio < 1 - self.epsilon)
+        high = terms.valid & (terms.ratio > 1 + self.epsilon_high)
+        return low, high, terms.valid
 
 
 class PPOMetric(GRPOMetric):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Mapping, Optional
 
 import torch
 
 from .base import Metric, Number, SyncedStates
 from .groups import TokenSlices
+from .host_values import is_host_number
 from .inputs import call_value, count_tokens, microbatches, with_call_values
 from .microbatch_view import ViewSpec, microbatch_views_of
 from .tensors import to_device
@@ -99,6 +101,8 @@ class LossMetric(Metric):
         given.update({} if token_losses is None else {"token_losses": token_losses})
         per_token = []  # (inputs, outputs for the view, whether the losses only slice a microbatch's report)
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
+            if self._add_host_loss(batch, output, reduction):
+                continue
             loss = self._as_state("loss_sum", output["loss"])
             ids = output.get("group_ids")
             if loss.numel() > 1:
@@ -124,6 +128,21 @@ class LossMetric(Metric):
             self._add_loss(loss, weight, valid, ~valid, self._token_groups(ids, valid, counted))
         if per_token:
             self._add_token_losses(per_token)
+
+    def _add_host_loss(self, batch: Any, output: Mapping[str, Any], reduction: str) -> bool:
+        """A microbatch's loss given as a Python number (Twinkle's Megatron model passes one) with its weight a
+        number too ('mean', or a ``num_tokens`` number), and nothing to slice it by: added on the host (no launch
+        per call; see :mod:`.host_values`). False when the loss takes the device path."""
+        loss, weight = output["loss"], 1.0 if reduction == "mean" else output.get("num_tokens")
+        if (not is_host_number(loss) or not is_host_number(weight) or output.get("token_losses") is not None
+                or self.group_ids_of(batch, output) is not None):
+            return False
+        if math.isfinite(loss):
+            self._add("loss_sum", loss)
+            self._add("weight", weight)
+        else:
+            self._add("nonfinite_losses", 1.0)
+        return True
 
     def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
                   groups: Optional[TokenSlices]) -> None:

@@ -17,6 +17,7 @@ import torch
 from .base import Metric, Number, SyncedStates
 from .inputs import call_value, given
 from .microbatch_view import MicrobatchView, ViewSpec, microbatch_views
+from .tensors import all_finite
 
 _SUMS = ("tokens", "value_sum", "return_sum", "return_square_sum", "residual_sum", "residual_square_sum",
          "clipped", "advantage_tokens", "advantage_sum", "advantage_square_sum", "nonfinite_tokens",
@@ -89,11 +90,9 @@ class PPOValueMetric(Metric):
     def _accumulate_microbatch(self, batch: MicrobatchView) -> None:
         values = batch.tensors["values"].to(torch.float64)
         mask = batch.mask
-        finite = torch.isfinite(values)
         misaligned = batch.misaligned_arrays
         per_token = batch.values
-        for name in per_token:
-            finite &= torch.isfinite(per_token[name])
+        finite = all_finite([values, *per_token.values()])
         valid = mask & finite
         returns, residual = per_token["returns"], per_token["returns"] - values
         # Every per-token statistic masked by ``valid`` and added in one op (see Metric._add_token_sums).

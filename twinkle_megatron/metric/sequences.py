@@ -67,12 +67,17 @@ def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> 
                                    keep=(piece,))
     if arrays is None:
         return SequenceValues(scalars, None, 0.0, False)
-    padded, lengths, is_scalar = arrays
-    rank_among_counted = mask.long().cumsum(-1) - 1
-    scattered = padded.gather(1, rank_among_counted.clamp(0, padded.shape[1] - 1))
-    scattered = torch.where(rank_among_counted < lengths[:, None], scattered, torch.zeros_like(scattered))
-    tokens = torch.where(is_scalar[:, None], scalars[:, None].expand(mask.shape), scattered)
-    misaligned = (~is_scalar & (mask.sum(-1) != lengths)).sum().to(torch.float64)
+    bordered, lengths, is_scalar = arrays
+    # The i-th counted token of a sequence (i from 1: the running count of counted tokens) takes column i of
+    # its bordered row: its i-th value, or a 0 of the border before the first counted token and past the
+    # row's values. Three ops, no comparison: the border holds what a mask would have to put there.
+    count = mask.cumsum(-1)
+    tokens = bordered.gather(1, count.clamp(max=bordered.shape[1] - 1))
+    wrong_length = count[:, -1] != lengths if count.shape[-1] else lengths != 0
+    if is_scalar is not None:  # numbers among the arrays: spread over their sequence's tokens, never misaligned
+        tokens = torch.where(is_scalar[:, None], scalars[:, None].expand(mask.shape), tokens)
+        wrong_length = wrong_length & ~is_scalar
+    misaligned = wrong_length.sum(dtype=torch.float64)
     return SequenceValues(None, tokens, misaligned, True)
 
 
@@ -110,7 +115,12 @@ def split_per_microbatch(values: Any, name: str, rows: Sequence[int]) -> list[An
 
 def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optional[tuple]]:
     """A list of per-sequence values on ``device``: the numbers (0 for arrays) as a ``[sequences]`` vector, and
-    unless every entry is a number, ``(padded arrays [sequences, longest], lengths, is_scalar)``."""
+    unless every entry is a number, ``(bordered arrays, lengths, is_scalar)``.
+
+    Row ``s`` of the bordered arrays is ``[0, v_1 … v_n, 0 …]``: a 0, sequence ``s``'s values, and zeros to one
+    column past the longest array. ``lengths`` (float64) holds each ``n`` (0 for a number); ``is_scalar`` which
+    entries are numbers, None when none is (known on the host: then no op reads it).
+    """
     scalar_row = [_is_number(item) for item in values]
     if all(scalar_row):
         # Host values (Twinkle's lists) cross to the device in one copy; device tensors stay where they are.
@@ -121,28 +131,26 @@ def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optiona
     scalars = _stack_on(device, [item if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)])
     arrays = [torch.as_tensor([] if is_scalar else item, dtype=torch.float64).reshape(-1)
               for item, is_scalar in zip(values, scalar_row)]
-    lengths = to_device(torch.tensor([len(a) for a in arrays]), device)
-    if all(a.device.type == "cpu" for a in arrays):
-        padded = to_device(torch.nn.utils.rnn.pad_sequence(arrays, batch_first=True), device)
-    else:
-        padded = torch.nn.utils.rnn.pad_sequence([a.to(device) for a in arrays], batch_first=True)
-    if padded.shape[1] == 0:
-        padded = torch.zeros(len(arrays), 1, dtype=torch.float64, device=device)
-    return scalars, (padded, lengths, to_device(torch.tensor(scalar_row), device))
+    lengths = to_device(torch.tensor([float(len(a)) for a in arrays], dtype=torch.float64), device)
+    zero = torch.zeros(1, dtype=torch.float64)
+    bordered = torch.nn.utils.rnn.pad_sequence([torch.cat([zero.to(a.device), a, zero.to(a.device)]).to(device)
+                                                for a in arrays], batch_first=True)
+    return scalars, (bordered, lengths, to_device(torch.tensor(scalar_row), device) if any(scalar_row) else None)
 
 
 def _host_lists_on(values: Any, scalar_row: list[bool], device: torch.device) -> tuple[torch.Tensor, tuple]:
-    """Twinkle's form (Python lists of numbers, and numbers): padded on the host, then two copies to ``device``
-    (the arrays, and one ``[3, sequences]`` block of numbers, lengths and which entries are numbers)."""
+    """Twinkle's form (Python lists of numbers, and numbers): bordered on the host (see :func:`_values_on`),
+    then two copies to ``device`` (the arrays, and one ``[3, sequences]`` block of numbers, lengths and which
+    entries are numbers)."""
     lengths = [0 if is_scalar else len(item) for item, is_scalar in zip(values, scalar_row)]
-    longest = max(max(lengths), 1)
-    padded = [[0.0] * longest if is_scalar else [float(v) for v in item] + [0.0] * (longest - len(item))
-              for item, is_scalar in zip(values, scalar_row)]
+    width = max(lengths) + 2
+    bordered = [[0.0] * width if is_scalar else [0.0, *item] + [0.0] * (width - 1 - len(item))
+                for item, is_scalar in zip(values, scalar_row)]
     numbers = [[float(item) if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)],
                [float(length) for length in lengths], [float(is_scalar) for is_scalar in scalar_row]]
     block = to_device(torch.tensor(numbers, dtype=torch.float64), device)
-    arrays = to_device(torch.tensor(padded, dtype=torch.float64), device)
-    return block[0], (arrays, block[1].to(torch.int64), block[2].to(torch.bool))
+    arrays = to_device(torch.tensor(bordered, dtype=torch.float64), device)
+    return block[0], (arrays, block[1], block[2] > 0 if any(scalar_row) else None)
 
 
 def _stack_on(device: torch.device, items: list) -> torch.Tensor:

@@ -6,7 +6,7 @@ them without reaching back into an earlier stage.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -41,3 +41,15 @@ def token_mask(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = N
     if real is not None:
         mask = mask & real.to(mask.device)
     return mask
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """True where every tensor of ``tensors`` (one shape) is finite.
+
+    ``Σ_i 0·x_i == 0``: ``0·x`` is ±0 for a finite ``x`` and NaN for ±inf and NaN, and one NaN makes the sum
+    NaN. Four ops (stack, multiply, sum, compare) for any number of tensors, where ``isfinite`` costs four per
+    tensor (it is ``x == x`` and ``|x| != inf``) and ``&`` one more each.
+    """
+    if len(tensors) == 1:
+        return torch.isfinite(tensors[0])
+    return torch.stack(list(tensors)).mul_(0).sum(0) == 0

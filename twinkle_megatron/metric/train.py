@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .base import Metric, Number, SyncedStates
+from .host_values import is_host_number
 from .inputs import call_value
 
 
@@ -62,24 +63,30 @@ class TrainMetric(Metric):
         lr = call_value("lr", kwargs, outputs)
         if lr is not None:
             if isinstance(lr, torch.Tensor):  # one per parameter group, or a single 0-d rate
-                rates = list(lr.detach().to(torch.float64).reshape(-1).unbind())
+                self._assign_rates(list(lr.detach().to(torch.float64).reshape(-1).unbind()))
             else:
-                rates = [torch.as_tensor(r, dtype=torch.float64) for r in (lr if isinstance(lr, Sequence) else [lr])]
-            if len(rates) > self.max_param_groups:
-                raise ValueError(f"lr has {len(rates)} parameter groups; raise "
-                                 f"TrainMetric(max_param_groups=...) above {self.max_param_groups}")
-            # Device tensors are stacked, not read: no host sync.
-            device = rates[0].device
-            padding = torch.full((self.max_param_groups - len(rates),), float("-inf"), dtype=torch.float64,
-                                 device=device)
-            self._assign("learning_rates", torch.cat([torch.stack([r.reshape(()).to(device) for r in rates]),
-                                                      padding]))
+                self._assign_rates(list(lr) if isinstance(lr, Sequence) else [lr])
         # Step counters are kept as given and read at calculate(): a tensor must not sync here.
         step = call_value("step", kwargs, outputs)
         if step is not None:
             self.step = step
         self.gradient_accumulation_steps = call_value("gradient_accumulation_steps", kwargs, outputs,
                                                       self.gradient_accumulation_steps) or 1
+
+    def _assign_rates(self, rates: list) -> None:
+        """One learning rate per parameter group, padded with -inf: Python numbers (Twinkle's form) stay on the
+        host until the sync; device tensors are stacked, not read (no host sync)."""
+        if len(rates) > self.max_param_groups:
+            raise ValueError(f"lr has {len(rates)} parameter groups; raise "
+                             f"TrainMetric(max_param_groups=...) above {self.max_param_groups}")
+        padding = [float("-inf")] * (self.max_param_groups - len(rates))
+        if all(is_host_number(rate) for rate in rates):
+            self._assign("learning_rates", [*rates, *padding])
+            return
+        rates = [torch.as_tensor(rate, dtype=torch.float64) for rate in rates]
+        device = rates[0].device
+        self._assign("learning_rates", torch.cat([torch.stack([rate.reshape(()).to(device) for rate in rates]),
+                                                  torch.tensor(padding, dtype=torch.float64, device=device)]))
 
     every_rank_counts = True  # timings and step are the same kind of value on every rank
 
