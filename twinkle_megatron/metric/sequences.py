@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from .call_cache import shared_value
+from .host_values import is_host_number
 from .tensors import to_device
 
 
@@ -125,7 +126,7 @@ def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optiona
     if all(scalar_row):
         # Host values (Twinkle's lists) cross to the device in one copy; device tensors stay where they are.
         return _stack_on(device, list(values)), None
-    if all(_host_number(item) if is_scalar else isinstance(item, list) and (not item or _host_number(item[0]))
+    if all(is_host_number(item) if is_scalar else isinstance(item, list) and (not item or is_host_number(item[0]))
            for item, is_scalar in zip(values, scalar_row)):
         return _host_lists_on(values, scalar_row, device)
     scalars = _stack_on(device, [item if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)])
@@ -158,11 +159,6 @@ def _stack_on(device: torch.device, items: list) -> torch.Tensor:
     if all(not isinstance(item, torch.Tensor) for item in items):
         return to_device(torch.tensor([float(item) for item in items], dtype=torch.float64), device)
     return torch.stack([torch.as_tensor(item, dtype=torch.float64).reshape(()).to(device) for item in items])
-
-
-def _host_number(item: Any) -> bool:
-    """A Python number (reading it costs no device sync)."""
-    return isinstance(item, (int, float)) and not isinstance(item, bool)
 
 
 def _is_number(item: Any) -> bool:
