@@ -1,25 +1,30 @@
 """Benchmark: CPU time of one ``accumulate`` call, ours against Twinkle's own metrics on the same data.
 
-Run: ``python benchmarks/bench_accumulate.py [--tokens 2x128] [--vocab 2048] [--repeats 200]``.
+Run: ``python benchmarks/bench_accumulate.py [--sizes 2x128x2048,8x512x16384] [--rounds 5]``.
 
 Twinkle's metric modules come from the real twinkle-kit 0.5.1 wheel (``pip download --no-deps`` into a
 cache directory on first use), imported unmodified behind the smallest stubs for the parts of the
 ``twinkle`` package they import and this benchmark does not exercise (``twinkle.data_format``'s type
-names, ``torch_util``, ``get_logger``, and ``transformers_utils`` — the real file — for GRPO's
+names, ``torch_util``, ``get_logger``, and ``transformers_utils`` -- the real file -- for GRPO's
 alignment). Twinkle's models call ``metric.accumulate(inputs, outputs, **kwargs)`` for each of their
 metrics in turn; ours get the same call through one ``MetricCollection`` (what ``instrument()`` does).
 
 Sets of metrics (the same classes on both sides): 1 = Accuracy; 4 = + LossMetric, TrainMetric,
 GRPOMetric; 8 = + GSPOMetric, CISPOMetric, PPOMetric, CompletionRewardMetric. Data: one microbatch of
-``--tokens`` labels (the first quarter of each sequence a prompt, ``-100``), full-vocabulary logits
-(one process: no TP), log-probs, Twinkle's per-sequence lists of old log-probs and advantages, a loss,
-rewards; in the first table also the per-token ``entropies`` Twinkle's model forward puts in its outputs
-(both sides' GRPO metrics read them), in the second not (then our GRPO metrics compute ``train/entropy``
-from the logits -- the full statistics pass, an exp per logit -- and Twinkle's report none). Accuracy
-alone makes our argmax-only pass either way. Time: ``time.process_time`` around ``--repeats`` calls,
-after 20 untimed ones (``calculate()`` every 50 calls, untimed, so that states stay small), one torch
-thread; the table gives the CPU time per call and ours / Twinkle's. Twinkle's ``.item()`` calls cost no
-device wait on a CPU; on a GPU they would.
+``batch x sequence`` labels (the first quarter of each sequence a prompt, ``-100``), full-vocabulary
+logits (one process: no TP), log-probs, Twinkle's per-sequence lists of old log-probs and advantages, a
+loss, rewards. Two sizes: 2x128 tokens over 2,048 columns, where the per-call overhead (Python, op
+dispatch) is all there is; 8x512 tokens over 16,384 columns (eight completions of a GRPO group, a TP
+shard of a 128k vocabulary), where the logits are read. With the per-token ``entropies`` Twinkle's model
+forward puts in its outputs (both sides' GRPO metrics read them), and at the small size also without
+(then our GRPO metrics compute ``train/entropy`` from the logits -- the full statistics pass, an exp per
+logit -- and Twinkle's report none). Accuracy alone makes our argmax-only pass either way.
+
+Time: ``time.process_time`` around each call, after a few untimed ones (``calculate()`` every 50 calls,
+untimed, so that states stay small), one torch thread. Each round times Twinkle's set and ours one
+after the other, ``--rounds`` rounds (interleaved, so that a slower spell of the machine hits both);
+the table gives the median CPU time per call over the rounds and ours / Twinkle's. Twinkle's ``.item()``
+calls cost no device wait on a CPU; on a GPU each would wait for the device.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,7 +103,8 @@ def make_data(batch: int, seq: int, vocab: int) -> tuple[dict, dict, dict]:
 
 
 def per_call(accumulate, calculate, repeats: int) -> float:
-    for _ in range(20):
+    """Mean CPU seconds per ``accumulate()`` over ``repeats`` timed calls."""
+    for _ in range(min(20, repeats)):
         accumulate()
     calculate()
     total = 0.0
@@ -112,9 +119,10 @@ def per_call(accumulate, calculate, repeats: int) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="2x128", help="batch x sequence")
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--sizes", default="2x128x2048,8x512x16384", help="batch x sequence x vocabulary, ...")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=200, help="timed calls per round at the first size "
+                        "(fewer at larger ones: the same number of logits read)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     os.environ["TWINKLE_MEGATRON_STANDALONE"] = "1"  # our classes without Twinkle's base
@@ -122,28 +130,36 @@ def main(argv=None) -> None:
     import twinkle_megatron.metric as our_metrics
 
     theirs = twinkle_metrics()
-    batch, seq = (int(v) for v in args.tokens.split("x"))
-    inputs, outputs, kwargs = make_data(batch, seq, args.vocab)
-    print(f"accumulate: one microbatch of {batch}x{seq} tokens, vocabulary {args.vocab}, one process, one thread; "
-          f"CPU time per call over {args.repeats} calls")
-    with_entropies = outputs
-    for title, outputs in (("outputs with entropies (Twinkle's model forward)", with_entropies),
-                           ("outputs without entropies (ours: train/entropy from the logits; Twinkle: none)",
-                            {k: v for k, v in with_entropies.items() if k != "entropies"})):
-        print(title)
-        table(theirs, ours, our_metrics, inputs, outputs, kwargs, args.repeats)
+    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
+    first_logits = sizes[0][0] * sizes[0][1] * sizes[0][2]
+    print(f"accumulate: one microbatch, one process, one thread; CPU time per call, median of {args.rounds} "
+          "interleaved rounds")
+    for index, (batch, seq, vocab) in enumerate(sizes):
+        repeats = max(5, args.repeats * first_logits // (batch * seq * vocab))
+        inputs, outputs, kwargs = make_data(batch, seq, vocab)
+        forms = [("with entropies (Twinkle's model forward)", outputs)]
+        if index == 0:
+            forms.append(("without entropies (ours: train/entropy from the logits; Twinkle: none)",
+                          {k: v for k, v in outputs.items() if k != "entropies"}))
+        for title, given in forms:
+            print(f"{batch}x{seq} tokens, vocabulary {vocab}, {repeats} calls per round; outputs {title}")
+            table(theirs, ours, our_metrics, inputs, given, kwargs, repeats, args.rounds)
 
 
-def table(theirs, ours, our_metrics, inputs: dict, outputs: dict, kwargs: dict, repeats: int) -> None:
+def table(theirs, ours, our_metrics, inputs: dict, outputs: dict, kwargs: dict, repeats: int, rounds: int) -> None:
     print(f"{'metrics':>7} {'Twinkle 0.5.1':>14} {'ours':>9} {'ours / Twinkle':>15}")
     for count, names in SETS.items():
         twinkle_set = [getattr(theirs, name)(None, None) for name in names]
         collection = ours.MetricCollection([getattr(our_metrics, name)() for name in names])
-        twinkle_time = per_call(lambda s=twinkle_set: [m.accumulate(inputs, outputs, **kwargs) for m in s],
-                                lambda s=twinkle_set: [m.calculate() for m in s], repeats)
-        our_time = per_call(lambda c=collection: c.accumulate(inputs, outputs, **kwargs), collection.calculate,
-                            repeats)
-        print(f"{count:>7} {twinkle_time * 1e3:>11.2f} ms {our_time * 1e3:>6.2f} ms {our_time / twinkle_time:>15.2f}")
+        twinkle_times, our_times = [], []
+        for _ in range(rounds):
+            twinkle_times.append(per_call(lambda s=twinkle_set: [m.accumulate(inputs, outputs, **kwargs) for m in s],
+                                          lambda s=twinkle_set: [m.calculate() for m in s], repeats))
+            our_times.append(per_call(lambda c=collection: c.accumulate(inputs, outputs, **kwargs),
+                                      collection.calculate, repeats))
+        twinkle_time, our_time = statistics.median(twinkle_times), statistics.median(our_times)
+        print(f"{count:>7} {twinkle_time * 1e3:>11.2f} ms {our_time * 1e3:>6.2f} ms {our_time / twinkle_time:>15.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -154,3 +154,41 @@ def test_collection_state_dict_and_explicit_context():
     restored = MetricCollection([LossMetric()])
     restored.load_state_dict(collection.state_dict())
     assert restored.calculate() == {"loss": 1.0}
+
+
+# ------------------------------------- microbatch reports kept until the sync (LossMetric._pend_report)
+
+
+def test_reports_kept_until_the_sync_equal_the_reference_and_survive_a_change_in_place():
+    """Device reports are copied at ``accumulate`` and folded when the states are read, past the bound too:
+    the same result as the sum over the reports, whatever the caller does with its tensors afterwards."""
+    from twinkle_megatron.metric.loss import PENDING_REPORTS
+
+    generator = torch.Generator().manual_seed(0)
+    count = 2 * PENDING_REPORTS + 3
+    sums = torch.rand(count, generator=generator, dtype=torch.float64) * 10
+    tokens = torch.randint(1, 50, (count,), generator=generator)
+    sums[5], sums[PENDING_REPORTS + 7] = float("nan"), float("inf")
+    metric = LossMetric(loss_reduction="sum")
+    for value, n in zip(sums, tokens):
+        loss, num_tokens = value.clone(), n.clone()  # float64: copied although it needs no conversion
+        metric.accumulate({}, {"loss": loss, "num_tokens": num_tokens})
+        loss.mul_(1000.0), num_tokens.add_(7)  # the caller reuses its buffers: the metric holds copies
+    finite = torch.isfinite(sums)
+    expected = float(sums[finite].sum() / tokens[finite].sum())
+    assert metric.calculate() == {"loss": pytest.approx(expected, rel=1e-12), "nonfinite_losses": 2}
+
+
+def test_reports_kept_until_the_sync_join_checkpoints_and_go_with_a_reset():
+    metric = LossMetric()
+    metric.accumulate({}, {"loss": torch.tensor(2.0)})
+    metric.accumulate({}, {"loss": torch.tensor(4.0)})
+    resumed = LossMetric()
+    resumed.load_state_dict(metric.state_dict())  # the pending reports are in the checkpoint
+    assert resumed.calculate() == {"loss": 3.0}
+    metric.reset()
+    metric.accumulate({}, {"loss": torch.tensor(5.0)})
+    assert metric.calculate() == {"loss": 5.0}, "a reset drops what was pending"
+    metric.accumulate({}, {"loss": torch.tensor(9.0)})
+    metric.load_state_dict(resumed.state_dict())  # empty: the loaded states replace what was pending
+    assert metric.calculate() == {}

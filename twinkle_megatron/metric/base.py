@@ -40,6 +40,7 @@ from .keywords import check_constructor_keywords, check_outputs_read, register_c
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
 from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
+from .tensors import all_finite
 from .token_sums import add_in_place, fold_into, max_totals, maximum_in_place, sum_totals
 from .twinkle_base import twinkle_metric_base
 
@@ -274,7 +275,7 @@ class Metric(_Base):
             return
         self._host.fold(self._states, (name, nonfinite_count))
         value = self._as_state(name, value).reshape(self._specs[name].shape)
-        finite = torch.isfinite(value)
+        finite = all_finite([value])
         self._states[name] = torch.where(finite, value, self._states[name])
         self._add(nonfinite_count, (~finite).sum())
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from .base import Metric, Number, SyncedStates
-from .host_values import is_host_number
+from .host_values import all_host_numbers
 from .inputs import call_value
 from .tensors import to_device
 
@@ -206,7 +206,7 @@ class CompletionRewardMetric(Metric):
 
 def _host_list(values: Any) -> bool:
     """A list or tuple of Python numbers (Twinkle's form)."""
-    return isinstance(values, (list, tuple)) and all(is_host_number(value) for value in values)
+    return isinstance(values, (list, tuple)) and all_host_numbers(values)
 
 
 def _encode(name: str, width: int) -> list[float]:

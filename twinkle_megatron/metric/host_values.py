@@ -15,6 +15,8 @@ one pending (an add after a max) folds the pending one first, so the order of up
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -22,22 +24,24 @@ import torch
 from .tensors import to_device
 
 HostNumbers = Union[float, list]  # a float, or one float per element of the flattened state
+_NUMBER_TYPES = (int, float)
 
 
 def is_host_number(value: Any) -> bool:
     """A Python number (``bool`` included): reading it costs no device sync."""
-    return isinstance(value, (int, float))
+    return isinstance(value, _NUMBER_TYPES)
 
 
-def _plus(a: float, b: float) -> float:
-    return a + b
+def all_host_numbers(values: Iterable[Any]) -> bool:
+    """Every item of ``values`` is a Python number (True for none); no Python frame per item."""
+    return all(map(isinstance, values, repeat(_NUMBER_TYPES)))
 
 
 def _maximum(a: float, b: float) -> float:
     return b if b > a or b != b else a  # NaN wins, as in torch.maximum
 
 
-_COMBINE: dict[str, Callable[[float, float], float]] = {"add": _plus, "max": _maximum}
+_COMBINE: dict[str, Callable[[float, float], float]] = {"add": operator.add, "max": _maximum}
 
 
 class HostValues:
@@ -55,7 +59,7 @@ class HostValues:
         state, after :meth:`fold` of that state."""
         if not _host_numbers(value):
             return False
-        value = [float(v) for v in value] if isinstance(value, list) else float(value)
+        value = list(map(float, value)) if isinstance(value, list) else float(value)
         pending = self._pending.get(name)
         if kind != "replace" and pending is not None and pending[0] not in (kind, "replace"):
             self.fold(states, (name,))
@@ -86,7 +90,7 @@ class HostValues:
 
 def _host_numbers(value: Any) -> bool:
     if isinstance(value, list):
-        return bool(value) and all(is_host_number(v) for v in value)
+        return bool(value) and all_host_numbers(value)
     return is_host_number(value)
 
 
@@ -95,7 +99,7 @@ def _elementwise(a: HostNumbers, b: HostNumbers, op: Callable[[float, float], fl
         width = len(a) if isinstance(a, list) else len(b)
         a = a if isinstance(a, list) else [a] * width
         b = b if isinstance(b, list) else [b] * width
-        return [op(x, y) for x, y in zip(a, b)]
+        return list(map(op, a, b))
     return op(a, b)
 
 

@@ -26,7 +26,7 @@ import torch
 from ..ops import ArgmaxStats, TokenStats, vocab_parallel_argmax_stats, vocab_parallel_token_stats
 from ..parallel import ParallelContext
 from .call_cache import call_values, sharing_call_values
-from .tensors import to_device
+from .tensors import all_finite, to_device
 
 LAYOUTS = ("bsv", "sbv")
 STATISTICS = ("argmax", "logprobs", "entropy")
@@ -140,7 +140,7 @@ def classify_tokens(stats: Statistics, mask: torch.Tensor, labels: Optional[torc
         scored = finite & (labels >= 0) & (labels < stats.vocab_size)
     else:
         scored = ~torch.isnan(stats.logprobs)
-        finite = torch.isfinite(stats.entropy)
+        finite = all_finite([stats.entropy])
     counted, nonfinite = mask & scored, mask & ~finite
     # A scored token is finite, so the three classes split the mask: the invalid ones are the rest (two ops).
     return TokenClasses(counted, nonfinite, mask ^ counted ^ nonfinite)

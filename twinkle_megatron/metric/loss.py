@@ -9,12 +9,13 @@ import torch
 
 from .base import Metric, Number, SyncedStates
 from .groups import TokenSlices
-from .host_values import is_host_number
+from .host_values import all_host_numbers, is_host_number
 from .inputs import call_value, count_tokens, microbatches, with_call_values
 from .microbatch_view import ViewSpec, microbatch_views_of
-from .tensors import to_device
+from .tensors import all_finite, host_float64, to_device
 
 _REDUCTIONS = ("mean", "sum")
+PENDING_REPORTS = 64  # microbatch loss reports kept on the device before they are folded into the states
 
 
 class LossMetric(Metric):
@@ -85,6 +86,7 @@ class LossMetric(Metric):
         self.add_state("nonfinite_losses", "sum")
         self.add_state("nonfinite_grad_norms", "sum")
         self.add_state("grad_norm", "max")
+        self._reports: list[tuple[torch.Tensor, Any]] = []  # pending microbatch reports (see _pend_report)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         """Add the loss of each microbatch (one value per microbatch, a list of them, or per-token losses)."""
@@ -103,16 +105,20 @@ class LossMetric(Metric):
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
             if self._add_host_loss(batch, output, reduction):
                 continue
-            loss = self._as_state("loss_sum", output["loss"])
+            loss = output["loss"]
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._pend_report(batch, output, reduction):
+                continue
+            loss = self._as_state("loss_sum", loss)
             ids = output.get("group_ids")
             if loss.numel() > 1:
                 per_token.append((batch, {"loss": loss, "group_ids": ids}, False))
                 continue
             ids = self.group_ids_of(batch, output)
             loss = loss.reshape(())
-            valid = torch.isfinite(loss)
+            valid = all_finite([loss])
+            # A mean's weight is 1 per valid value: the mask itself (no op).
             weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
-                      if reduction == "sum" else torch.ones_like(loss))
+                      if reduction == "sum" else valid)
             if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
                 # The report is the total; the per-token losses next to it give the groups and buckets only.
                 self._add_loss(loss, weight, valid, ~valid, None)
@@ -144,6 +150,52 @@ class LossMetric(Metric):
             self._add("nonfinite_losses", 1.0)
         return True
 
+    def _pend_report(self, batch: Any, output: Mapping[str, Any], reduction: str) -> bool:
+        """A microbatch's loss given as one device value, with its weight (a count, or 1 for a mean), and nothing
+        to slice it by: copied (float64; the caller may change its loss in place later) and kept until the
+        states are read, then checked and added with the others in a fixed number of ops
+        (:meth:`_fold_reports`). One op per microbatch (two with a device count), where checking and adding
+        each report costs about ten. False when the loss takes the other paths."""
+        if output.get("token_losses") is not None or self.group_ids_of(batch, output) is not None:
+            return False
+        loss = output["loss"].detach()
+        weight = 1.0 if reduction == "mean" else self._num_tokens(batch, output.get("num_tokens"))
+        if isinstance(weight, torch.Tensor):
+            if weight.numel() != 1:
+                return False
+            weight = to_device(weight.detach(), loss.device).to(torch.float64, copy=True).reshape(())
+        elif not is_host_number(weight):
+            return False
+        self._reports.append((loss.to(torch.float64, copy=True).reshape(()), weight))
+        if len(self._reports) >= PENDING_REPORTS:  # bounded memory between syncs
+            self._fold_reports()
+        return True
+
+    def _fold_reports(self) -> None:
+        """Add the pending reports to the states: Σ loss and Σ weight over the finite losses, and the count of
+        the others (the rule of :meth:`_add_loss`), in one stack, one mask and one reduction."""
+        if not self._reports:
+            return
+        losses, weights = zip(*self._reports)
+        self._reports = []
+        losses = torch.stack(losses)
+        weights = (host_float64(weights, losses.device) if all_host_numbers(weights) else
+                   torch.stack([torch.as_tensor(w, dtype=torch.float64, device=losses.device) for w in weights]))
+        valid = all_finite([losses])
+        self._add_loss(losses, weights, valid, ~valid, None)
+
+    def before_sync(self) -> None:
+        super().before_sync()
+        self._fold_reports()
+
+    def reset(self) -> None:
+        super().reset()
+        self._reports = []
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._reports = []
+
     def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
                   groups: Optional[TokenSlices]) -> None:
         """Add a microbatch's valid losses and weights (a value or per token) and its non-finite count, in one
@@ -165,7 +217,7 @@ class LossMetric(Metric):
                 continue
             loss = view.tensors["loss"]
             mask = to_device(view.mask, loss.device)
-            valid = mask & torch.isfinite(loss)
+            valid = mask & all_finite([loss])
             groups = self._token_groups(view.group_ids, valid, mask, view.sequence_positions)
             if slices_only:
                 self._add_to_groups({"loss_sum": loss, "weight": valid}, valid, groups)

