@@ -63,6 +63,8 @@ def _arrays_as_tensors(value: Any, ndarray: type, depth: int) -> Any:
     if kind is dict or (kind is not list and kind is not tuple and isinstance(value, Mapping)):
         converted = None
         for key, item in value.items():
+            if type(item) in _LEAVES:  # most values of a call (tensors, numbers): no call
+                continue
             new = _arrays_as_tensors(item, ndarray, depth - 1)
             if new is not item:
                 converted = dict(value) if converted is None else converted
@@ -71,6 +73,8 @@ def _arrays_as_tensors(value: Any, ndarray: type, depth: int) -> Any:
     if isinstance(value, (list, tuple)) and value and type(value[0]) not in _LEAVES:
         converted = None
         for index, item in enumerate(value):
+            if type(item) in _LEAVES:
+                continue
             new = _arrays_as_tensors(item, ndarray, depth - 1)
             if new is not item:
                 converted = list(value) if converted is None else converted
