@@ -184,9 +184,9 @@ class LossMetric(Metric):
         valid = all_finite([losses])
         self._add_loss(losses, weights, valid, ~valid, None)
 
-    def before_sync(self) -> None:
-        super().before_sync()
-        self._fold_reports()
+    def sync_states(self) -> dict[str, torch.Tensor]:
+        self._fold_reports()  # read like the pending host values: whoever reads the states gets them
+        return super().sync_states()
 
     def reset(self) -> None:
         super().reset()
