@@ -192,3 +192,19 @@ def test_reports_kept_until_the_sync_join_checkpoints_and_go_with_a_reset():
     metric.accumulate({}, {"loss": torch.tensor(9.0)})
     metric.load_state_dict(resumed.state_dict())  # empty: the loaded states replace what was pending
     assert metric.calculate() == {}
+
+
+def test_reports_of_both_reductions_in_one_window():
+    """Means (weight 1, a host number) and sums with device counts pend together: each with its own weight."""
+    metric = LossMetric()
+    metric.accumulate({}, {"loss": torch.tensor(3.0)})  # a mean: weight 1
+    metric.accumulate({}, {"loss": torch.tensor(8.0), "num_tokens": torch.tensor(4)}, loss_reduction="sum")
+    metric.accumulate({}, {"loss": torch.tensor(float("nan")), "num_tokens": torch.tensor(9)}, loss_reduction="sum")
+    assert metric.calculate() == {"loss": pytest.approx(11.0 / 5), "nonfinite_losses": 1}
+
+
+def test_a_nonfinite_loss_with_an_invalid_group_id_is_counted_in_both():
+    metric = LossMetric(group_names=["a", "b"])
+    metric.accumulate({}, {"loss": torch.tensor(float("nan")), "group_ids": 7})
+    metric.accumulate({}, {"loss": torch.tensor(2.0), "group_ids": 1})
+    assert metric.calculate() == {"loss": 2.0, "loss/b": 2.0, "nonfinite_losses": 1, "invalid_group_ids": 1}

@@ -15,7 +15,7 @@ from .microbatch_view import ViewSpec, microbatch_views_of
 from .tensors import all_finite, host_float64, to_device
 
 _REDUCTIONS = ("mean", "sum")
-PENDING_REPORTS = 64  # microbatch loss reports kept on the device before they are folded into the states
+PENDING_REPORTS = 64  # microbatch loss reports (copies of device values) kept before they are folded into the states
 
 
 class LossMetric(Metric):
@@ -116,9 +116,8 @@ class LossMetric(Metric):
             ids = self.group_ids_of(batch, output)
             loss = loss.reshape(())
             valid = all_finite([loss])
-            # A mean's weight is 1 per valid value: the mask itself (no op).
             weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
-                      if reduction == "sum" else valid)
+                      if reduction == "sum" else torch.ones_like(loss))
             if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
                 # The report is the total; the per-token losses next to it give the groups and buckets only.
                 self._add_loss(loss, weight, valid, ~valid, None)
@@ -173,14 +172,19 @@ class LossMetric(Metric):
 
     def _fold_reports(self) -> None:
         """Add the pending reports to the states: Σ loss and Σ weight over the finite losses, and the count of
-        the others (the rule of :meth:`_add_loss`), in one stack, one mask and one reduction."""
+        the others (the rule of :meth:`_add_loss`), in one stack, one mask and one reduction, on the device of
+        the first report (a loss given on the CPU next to device ones is copied there, without a host wait)."""
         if not self._reports:
             return
         losses, weights = zip(*self._reports)
+        device = losses[0].device
+        losses = torch.stack([to_device(loss, device) for loss in losses])
+        if all_host_numbers(weights):
+            weights = host_float64(weights, device)
+        else:
+            weights = torch.stack([to_device(w, device) if isinstance(w, torch.Tensor) else
+                                   torch.full((), float(w), dtype=torch.float64, device=device) for w in weights])
         self._reports = []
-        losses = torch.stack(losses)
-        weights = (host_float64(weights, losses.device) if all_host_numbers(weights) else
-                   torch.stack([torch.as_tensor(w, dtype=torch.float64, device=losses.device) for w in weights]))
         valid = all_finite([losses])
         self._add_loss(losses, weights, valid, ~valid, None)
 

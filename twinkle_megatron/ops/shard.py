@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 
 _MAX_KEY_INDEX_BITS = 32
-# Candidate block widths for the two-level argmax (largest first). The argmax-only pass costs a block
-# maximum over every column plus two argmaxes, one over the [T, n/width] table of block maxima and one
-# within the chosen block: 64 columns measured fastest at 2k, 16k and 32k columns (about 25% under 256 at
-# 2k); the full pass does not depend on it.
-_BLOCKS = (64, 32, 16)
+# Candidate block widths for the two-level argmax (largest first). The pass keeps the maximum of every block
+# (a [T, n/width] table: its extra memory); the full pass is bound by its exp and takes the same time at any
+# width, so it keeps the smallest table. The argmax-only pass (no exp) is bound by its two argmaxes, over
+# the table and within the chosen block: blocks of 64 measured fastest at 2k, 16k and 32k columns (about
+# 25% under 256 at 2k), for a table of 1/64 of the fp32 logits.
+_BLOCKS = (256, 128, 64, 32, 16)
+_ARGMAX_ONLY_BLOCKS = (64, 32, 16)
 # Default fp32 bytes of one [chunk, V_local] working buffer (the pass uses two).
 # On CPU both stay in the L2 cache (~2 MiB per core here), so the chunk's five
 # element-wise passes after the first read never go back to main memory; a
@@ -135,9 +137,9 @@ def default_chunk_size(device: torch.device, n_cols: int) -> int:
     return max(1, budget // (4 * max(1, n_cols)))
 
 
-def block_width(n_cols: int) -> int:
-    """Width of the blocks of the two-level argmax (0: search the row directly)."""
-    for width in _BLOCKS:
+def block_width(n_cols: int, argmax_only: bool = False) -> int:
+    """Width of the blocks of the two-level argmax (0: search the row directly); see ``_BLOCKS``."""
+    for width in _ARGMAX_ONLY_BLOCKS if argmax_only else _BLOCKS:
         if n_cols >= 4 * width:
             return width
     return 0

@@ -50,7 +50,8 @@ def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch
     about five times slower than the vectorised ``amax`` on CPU: the chunk loop
     keeps the maximum of every block of ``width`` columns (a ``[T, n/width]``
     side table), then the first block holding the row maximum is searched column
-    by column, a few hundred columns per token.
+    by column: up to 256 columns per token in the full pass, 64 in the argmax-only
+    one (:func:`.shard.block_width`).
     """
     n_tokens, n_cols = rows.shape
     device = rows.device
@@ -59,7 +60,7 @@ def _local_pass(rows: torch.Tensor, stats: Optional[torch.Tensor], cdtype: torch
     chunk_size = min(chunk_size, n_tokens)
     # Without sums there is no working buffer to bound: the maxima are one op over all tokens.
     pass_chunk = chunk_size if need_sums else n_tokens
-    width = block_width(n_cols)
+    width = block_width(n_cols, argmax_only=not need_sums)
     n_full = n_cols // width if width else 0
     has_tail = bool(width) and n_full * width < n_cols
     # bf16/fp16 chunks are upcast once into a buffer; argmax-only needs no upcast at all.
