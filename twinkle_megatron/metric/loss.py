@@ -172,12 +172,12 @@ class LossMetric(Metric):
 
     def _fold_reports(self) -> None:
         """Add the pending reports to the states: Σ loss and Σ weight over the finite losses, and the count of
-        the others (the rule of :meth:`_add_loss`), in one stack, one mask and one reduction, on the device of
-        the first report (a loss given on the CPU next to device ones is copied there, without a host wait)."""
+        the others (the rule of :meth:`_add_loss`), in one stack, one mask and one reduction, on an accelerator
+        if any report is on one (a loss given on the CPU next to device ones is copied there: no host wait)."""
         if not self._reports:
             return
         losses, weights = zip(*self._reports)
-        device = losses[0].device
+        device = next((loss.device for loss in losses if loss.device.type != "cpu"), losses[0].device)
         losses = torch.stack([to_device(loss, device) for loss in losses])
         if all_host_numbers(weights):
             weights = host_float64(weights, device)
