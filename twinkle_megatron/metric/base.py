@@ -396,4 +396,3 @@ class Metric(_Base):
         TP rank 0, see :meth:`ParallelContext.counts_here`) in rank order, each once; one ``all_gather_object``
         over the reduction group."""
         return gather_results(self, local_results)
-

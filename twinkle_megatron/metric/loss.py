@@ -139,8 +139,7 @@ class LossMetric(Metric):
         number too ('mean', or a ``num_tokens`` number), and nothing to slice it by: added on the host (no launch
         per call; see :mod:`.host_values`). False when the loss takes the device path."""
         loss, weight = output["loss"], 1.0 if reduction == "mean" else output.get("num_tokens")
-        if (not is_host_number(loss) or not is_host_number(weight) or output.get("token_losses") is not None
-                or self.group_ids_of(batch, output) is not None):
+        if not is_host_number(loss) or not is_host_number(weight) or self._sliced(batch, output):
             return False
         if math.isfinite(loss):
             self._add("loss_sum", loss)
@@ -149,13 +148,17 @@ class LossMetric(Metric):
             self._add("nonfinite_losses", 1.0)
         return True
 
+    def _sliced(self, batch: Any, output: Mapping[str, Any]) -> bool:
+        """Whether a microbatch's loss goes to groups or position buckets too (per-token losses or group ids)."""
+        return output.get("token_losses") is not None or self.group_ids_of(batch, output) is not None
+
     def _pend_report(self, batch: Any, output: Mapping[str, Any], reduction: str) -> bool:
         """A microbatch's loss given as one device value, with its weight (a count, or 1 for a mean), and nothing
         to slice it by: copied (float64; the caller may change its loss in place later) and kept until the
         states are read, then checked and added with the others in a fixed number of ops
         (:meth:`_fold_reports`). One op per microbatch (two with a device count), where checking and adding
         each report costs about ten. False when the loss takes the other paths."""
-        if output.get("token_losses") is not None or self.group_ids_of(batch, output) is not None:
+        if self._sliced(batch, output):
             return False
         loss = output["loss"].detach()
         weight = 1.0 if reduction == "mean" else self._num_tokens(batch, output.get("num_tokens"))

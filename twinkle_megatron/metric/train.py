@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .base import Metric, Number, SyncedStates
-from .host_values import is_host_number
+from .host_values import all_host_numbers
 from .inputs import call_value
 
 
@@ -79,14 +79,16 @@ class TrainMetric(Metric):
         if len(rates) > self.max_param_groups:
             raise ValueError(f"lr has {len(rates)} parameter groups; raise "
                              f"TrainMetric(max_param_groups=...) above {self.max_param_groups}")
-        padding = [float("-inf")] * (self.max_param_groups - len(rates))
-        if all(is_host_number(rate) for rate in rates):
-            self._assign("learning_rates", [*rates, *padding])
+        unused = self.max_param_groups - len(rates)
+        if all_host_numbers(rates):
+            self._assign("learning_rates", [*rates, *[float("-inf")] * unused])
             return
         rates = [torch.as_tensor(rate, dtype=torch.float64) for rate in rates]
         device = rates[0].device
+        # The padding by a fill kernel: a list copied to an accelerator would make the host wait.
         self._assign("learning_rates", torch.cat([torch.stack([rate.reshape(()).to(device) for rate in rates]),
-                                                  torch.tensor(padding, dtype=torch.float64, device=device)]))
+                                                  torch.full((unused,), float("-inf"), dtype=torch.float64,
+                                                             device=device)]))
 
     every_rank_counts = True  # timings and step are the same kind of value on every rank
 
