@@ -25,6 +25,7 @@ LOSS_EMA = "train/loss_ema"
 LOSS_SPIKE = "train/loss_spike"
 NONFINITE_LOSS_STEPS = "train/nonfinite_loss_steps"
 NONFINITE_GRAD_NORM_STEPS = "train/nonfinite_grad_norm_steps"
+SKIPPED_STEPS = "train/skipped_steps"
 NUM_ZEROS_IN_GRAD = "train/num_zeros_in_grad"
 CONSUMED_TOKENS = "train/consumed_tokens"
 
@@ -57,6 +58,16 @@ EVAL_PREFIX = "eval/"
 # interval, on any rank (that interval's metrics are incomplete).
 METRIC_HOOK_FAILURES = "train/metric_hook_failures"
 
+# Counts the metrics report (their own keys), alarms when non-zero: non-finite values left out of the statistics
+# (LossMetric's ``nonfinite_losses``: loss values or tokens; the logits metrics' ``nonfinite_tokens``) and input
+# mistakes (labels outside the vocabulary, group ids outside group_names, ragged arrays that do not match their
+# tokens).
+NONFINITE_LOSSES = "nonfinite_losses"
+NONFINITE_TOKENS = "nonfinite_tokens"
+INVALID_LABELS = "invalid_labels"
+INVALID_GROUP_IDS = "invalid_group_ids"
+MISALIGNED_ARRAYS = "train/misaligned_arrays"
+
 # The smoothed quantities and the key of each one's EMA.
 EMA_OF = {LOSS: LOSS_EMA, TOKENS_PER_SECOND: TOKENS_PER_SECOND_EMA, MFU: MFU_EMA, STEP_TIME: STEP_TIME_EMA}
 
@@ -67,8 +78,11 @@ TRACKER_KEYS: tuple[tuple[str, str], ...] = (
     (LEARNING_RATE, "latest learning rate of the first parameter group (Twinkle's TrainMetric name)"),
     (LOSS_EMA, "EMA of loss, an interval of n steps weighted as n steps"),
     (LOSS_SPIKE, "1 when loss > (1 + spike_threshold) · the EMA before it"),
-    (NONFINITE_LOSS_STEPS, "steps of the interval with a non-finite loss on some rank (left out of loss)"),
+    (NONFINITE_LOSS_STEPS, "steps of the interval with a non-finite loss on some rank: given to end_step or "
+                           "counted by a metric's nonfinite_losses (left out of loss; loss is NaN when no finite "
+                           "one is left)"),
     (NONFINITE_GRAD_NORM_STEPS, "steps of the interval with a non-finite gradient norm on some rank"),
+    (SKIPPED_STEPS, "steps of the interval whose optimizer step was skipped (update_successful=False)"),
     (NUM_ZEROS_IN_GRAD, "latest count of zeros in the gradients, max over ranks"),
     (CONSUMED_TOKENS, "real (loss-mask) tokens since step 1, summed over DP×CP; continues on resume"),
     (STEP_TIME, "seconds per step of the slowest rank over the interval"),

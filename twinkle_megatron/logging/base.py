@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from numbers import Real
@@ -131,10 +130,6 @@ def numeric_record(record: Mapping[str, Any]) -> dict[str, float]:
         elif isinstance(value, Real):
             numbers[key] = value
     return numbers
-
-
-def finite_or_none(value: float) -> Optional[float]:
-    return value if math.isfinite(value) else None
 
 
 def flatten_config(config: Mapping[str, Any], separator: str = ".") -> dict[str, Any]:

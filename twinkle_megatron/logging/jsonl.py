@@ -24,18 +24,25 @@ would be read forever), a FIFO (opening it blocks) or a directory is refused
 with a ``ValueError`` when the backend opens, which the logger reports once
 before disabling the backend; training goes on.
 
-Non-finite numbers are written as ``null``: ``NaN`` is not JSON.
+Non-finite numbers are written as ``null``, named in the record's ``"nonfinite"``
+object by their JSON Pointer with what they were (``{"loss": null, "nonfinite":
+{"/loss": "NaN"}}``): ``NaN`` is not JSON, and ``null`` alone could not tell NaN from
+infinity. :func:`strict_json` is that rule (``incidents.jsonl`` is written by it too),
+:func:`restore_nonfinite` its inverse.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from typing import Any, Mapping, Optional
 
-from .base import Backend, RunStart, finite_or_none
+from .base import Backend, RunStart
 from .jsonlines import json_lines
+
+NONFINITE_MARKS = "nonfinite"  # the key of a record's marks: {JSON Pointer: "NaN" | "Infinity" | "-Infinity"}
 
 
 class JsonlBackend(Backend):
@@ -92,14 +99,63 @@ class JsonlBackend(Backend):
                 os.remove(temporary)  # unchanged log (or a failure): the original stays
 
     def write(self, record: Mapping[str, float], step: int) -> None:
-        values = {key: finite_or_none(value) for key, value in record.items() if key != "step"}
-        self._file.write(_line({"step": step, **values}))
+        values = {key: value for key, value in record.items() if key != "step"}
+        self._file.write(_line(strict_json({"step": step, **values})))
         self._file.flush()  # a record is on disk once logged, even if the job is killed next
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def strict_json(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` with every non-finite float (at any depth) as ``None``, named in ``record["nonfinite"]``.
+
+    The marks map each value's JSON Pointer (RFC 6901: ``/loss``, ``/samples/0/loss``,
+    ``/``-in-keys as ``~1``) to what it was, spelled as Python's ``json`` spells it:
+    ``"NaN"``, ``"Infinity"``, ``"-Infinity"``. Without non-finite values the record
+    is returned as it is (a copy), with no ``"nonfinite"`` key.
+    """
+    marks: dict[str, str] = {}
+    strict = _strict(record, "", marks)
+    if marks:
+        strict[NONFINITE_MARKS] = marks
+    return strict
+
+
+def restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`strict_json`, in place: each marked ``null`` becomes its float again and the
+    marks are removed. A line written with bare ``NaN`` / ``Infinity`` (``json.loads`` reads them) has no
+    marks and is returned as it is."""
+    marks = record.pop(NONFINITE_MARKS, None)
+    if not isinstance(marks, Mapping):
+        return record
+    for pointer, spelling in marks.items():
+        *path, last = [part.replace("~1", "/").replace("~0", "~") for part in pointer.split("/")[1:]]
+        container: Any = record
+        try:
+            for part in path:
+                container = container[int(part)] if isinstance(container, list) else container[part]
+            if isinstance(container, list):
+                container[int(last)] = float(spelling)
+            elif last in container:
+                container[last] = float(spelling)
+        except (KeyError, IndexError, ValueError, TypeError):
+            continue  # a mark that names nothing in this record: not ours to guess
+    return record
+
+
+def _strict(value: Any, pointer: str, marks: dict[str, str]) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        marks[pointer] = json.dumps(value)  # NaN, Infinity, -Infinity: the spelling json.loads reads back
+        return None
+    if isinstance(value, Mapping):
+        return {key: _strict(item, f"{pointer}/{str(key).replace('~', '~0').replace('/', '~1')}", marks)
+                for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item, f"{pointer}/{index}", marks) for index, item in enumerate(value)]
+    return value
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -72,8 +72,11 @@ _SHOWN = {key for key, _, _ in _LINE} | _COUNTS | {keys.CONSUMED_TOKENS, keys.TO
 _FORMAT_OF = {key: fmt for key, _, fmt in _LINE}
 _COMPACT_OFF_LINE = tuple(key for key in COMPACT_KEYS if key not in _FORMAT_OF)  # headline keys the tracker's
 # line does not format (moe/imbalance_max, a metric's): printed after it, like the extra keys
-_ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_GRAD_NORM_STEPS, keys.LOSS_SPIKE, keys.MEMORY_OOMS,
-           keys.MEMORY_ALLOC_RETRIES, keys.METRIC_HOOK_FAILURES)
+# Non-zero counts appended in capitals: divergence (steps, then the values and tokens behind them), skipped
+# optimizer steps, memory trouble, failed hooks and counted input mistakes.
+_ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_LOSSES, keys.NONFINITE_TOKENS, keys.NONFINITE_GRAD_NORM_STEPS,
+           keys.SKIPPED_STEPS, keys.LOSS_SPIKE, keys.MEMORY_OOMS, keys.MEMORY_ALLOC_RETRIES, keys.METRIC_HOOK_FAILURES,
+           keys.INVALID_LABELS, keys.INVALID_GROUP_IDS, keys.MISALIGNED_ARRAYS)
 
 
 _LEFT_OUT = (keys.MEMORY_PREFIX, keys.MOE_LAYER_PREFIX, *keys.LAYER_NORM_DETAIL_PREFIXES)  # for files and charts

@@ -23,6 +23,7 @@ are mapped back (:func:`.context_parallel.global_positions`); in a packed row
 from __future__ import annotations
 
 import functools
+import re
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -37,7 +38,7 @@ class PositionBuckets(NamedTuple):
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return tuple(f"pos_{first}-{end - 1}" for first, end in zip(self.edges[:-1], self.edges[1:]))
+        return tuple(_LABEL.format(first=first, last=end - 1) for first, end in zip(self.edges[:-1], self.edges[1:]))
 
     @property
     def partition(self) -> tuple[str, tuple[str, ...]]:
@@ -53,6 +54,15 @@ class PositionBuckets(NamedTuple):
         ids = (positions[..., None] >= edges[1:-1]).sum(-1)
         valid = (positions >= edges[0]) & (positions < edges[-1])
         return TokenGroups(ids.expand(shape), valid.expand(shape), len(self.edges) - 1, POSITIONS_SUFFIX)
+
+
+_LABEL = "pos_{first}-{last}"
+_LABEL_PATTERN = re.compile(r"pos_\d+-\d+")
+
+
+def is_position_label(name: str) -> bool:
+    """Whether ``name`` (a slice name, ``loss/<name>``'s last part) is a position bucket's: ``pos_<first>-<last>``."""
+    return _LABEL_PATTERN.fullmatch(name) is not None
 
 
 @functools.lru_cache(maxsize=16)

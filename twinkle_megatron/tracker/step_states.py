@@ -11,8 +11,9 @@ SUM all-reduce in total), and each returns its part of the record from its own
   context-parallel coordinate: only the last pipeline stage and TP rank 0
   contribute, so TP duplicates and earlier stages never count twice.
 * :class:`RankStates` -- what each rank was given or measures (the non-finite
-  values it saw, the latest grad norm, learning rate and zeros in the
-  gradients, its memory). Every rank contributes; reduced by max.
+  values it saw, the steps its optimizer skipped, the latest grad norm,
+  learning rate and zeros in the gradients, its memory). Every rank
+  contributes; reduced by max.
 """
 
 from __future__ import annotations
@@ -53,13 +54,17 @@ class RankStates(Metric):
 
     States (all ``max``):
         ``nonfinite_loss_steps``, ``nonfinite_grad_norm_steps``: steps of the
-            interval in which this rank was given a non-finite value.
+            interval in which this rank was given (or its metrics counted) a
+            non-finite value.
+        ``skipped_steps``: steps of the interval whose optimizer step was skipped
+            (Megatron's ``update_successful`` False: an inf/NaN gradient under
+            fp16/bf16 loss scaling).
         ``grad_norm``, ``learning_rate``, ``num_zeros_in_grad``: the latest value
             given (-inf: never given).
         ``memory_*``: this rank's memory at the log step (-inf: no device).
 
-    ``compute``: ``train/nonfinite_loss_steps``, ``train/nonfinite_grad_norm_steps``
-    (max over ranks; 0 when none), ``grad_norm``, ``train/num_zeros_in_grad``,
+    ``compute``: ``train/nonfinite_loss_steps``, ``train/nonfinite_grad_norm_steps``,
+    ``train/skipped_steps`` (max over ranks; 0 when none), ``grad_norm``, ``train/num_zeros_in_grad``,
     ``learning rate`` (latest value, max over ranks; only when given) and
     ``memory/*`` (max over ranks, GiB; ``utilization`` = peak reserved / capacity;
     ``alloc_retries`` and ``ooms`` since the process started; only with a device).
@@ -69,13 +74,15 @@ class RankStates(Metric):
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None) -> None:
         super().__init__(device_mesh, process_group)
-        for name in ("nonfinite_loss_steps", "nonfinite_grad_norm_steps", "grad_norm", "learning_rate",
+        for name in ("nonfinite_loss_steps", "nonfinite_grad_norm_steps", "skipped_steps", "grad_norm", "learning_rate",
                      "num_zeros_in_grad", *(f"memory_{field}" for field in MEMORY_FIELDS)):
             self.add_state(name, "max")
 
     def add_step(self, nonfinite_loss: Value, grad_norm: Optional[Value], learning_rate: Optional[Value],
-                 num_zeros_in_grad: Optional[Value]) -> None:
+                 num_zeros_in_grad: Optional[Value], skipped: Value = 0.0) -> None:
+        """One step: ``nonfinite_loss`` and ``skipped`` are 0/1 flags (device tensors or numbers)."""
         self._count("nonfinite_loss_steps", nonfinite_loss)
+        self._count("skipped_steps", skipped)
         if grad_norm is not None:
             if isinstance(grad_norm, torch.Tensor):
                 grad_norm = grad_norm.detach().reshape(()).to(torch.float64)
@@ -103,7 +110,8 @@ class RankStates(Metric):
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = {}
         for state, key in (("nonfinite_loss_steps", keys.NONFINITE_LOSS_STEPS),
-                           ("nonfinite_grad_norm_steps", keys.NONFINITE_GRAD_NORM_STEPS)):
+                           ("nonfinite_grad_norm_steps", keys.NONFINITE_GRAD_NORM_STEPS),
+                           ("skipped_steps", keys.SKIPPED_STEPS)):
             value = states[state]
             results[key] = int(value) if value != _ABSENT and math.isfinite(value) else 0
         for state, key in (("grad_norm", keys.GRAD_NORM), ("num_zeros_in_grad", keys.NUM_ZEROS_IN_GRAD),

@@ -31,13 +31,14 @@ Typical use with Megatron-LM::
             tracker.record_grad_norms(model_chunks, optimizer)  # opt-in: per-layer norms (docs/step-health.md)
             update_successful, grad_norm, num_zeros = optimizer.step()
             step.update(loss=losses_reduced, grad_norm=grad_norm, num_zeros=num_zeros,
-                        lr=optimizer.param_groups[0]["lr"])
+                        lr=optimizer.param_groups[0]["lr"], update_successful=update_successful)
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -120,6 +121,11 @@ class MetricsTracker:
         self._warned: set[str] = set()
         self._layer_norms: Optional[LayerNorms] = None  # opt-in: record_grad_norms
         self._samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
+        # Metrics that count non-finite losses in a state of that name (LossMetric and its kind, whose result key
+        # is the state's name): each step whose count grew is a
+        # non-finite-loss step, the same count end_step's own loss feeds (one rule for train/nonfinite_loss_steps).
+        self._loss_counters = [m for m in self.user_metrics if keys.NONFINITE_LOSSES in m.state_specs]
+        self._nonfinite_counted: dict[int, torch.Tensor] = {}  # id(metric) -> its count at the last step end
         self.incidents = IncidentReporter(self._samples, config.log_dir if "jsonl" in config.backends else None,
                                           config.writer_rank)
         if dist.is_available() and dist.is_initialized():
@@ -135,7 +141,8 @@ class MetricsTracker:
     def end_step(self, step: Optional[int] = None, loss: Optional[LossInput] = None, grad_norm: Any = None,
                  lr: Any = None, tokens: Any = None, loss_mask: Optional[torch.Tensor] = None,
                  labels: Optional[torch.Tensor] = None, num_zeros: Any = None,
-                 seq_lengths: Union[torch.Tensor, Sequence[int], None] = None) -> Optional[dict[str, float]]:
+                 seq_lengths: Union[torch.Tensor, Sequence[int], None] = None,
+                 update_successful: Any = None) -> Optional[dict[str, float]]:
         """End a step; on a log step, sync and log, and return the record (the same on every rank).
 
         Collective on log steps only: every rank must call it for every step.
@@ -158,6 +165,15 @@ class MetricsTracker:
                 over DP×CP (under CP, each rank passes its chunk).
             seq_lengths: lengths of the whole sequences packed into this rank's
                 batch (a tensor or a list), for FLOPs with ``model_config``.
+            update_successful: the first value ``optimizer.step()`` returns; False
+                (Megatron skipped the step: an inf/NaN gradient under fp16/bf16 loss
+                scaling, which also returns ``grad_norm=None``) counts the step in
+                ``train/skipped_steps``. None: not known (not counted).
+
+        A step is a non-finite-loss step (``train/nonfinite_loss_steps``) when ``loss``
+        holds a non-finite value or when a metric among the tracker's that counts
+        non-finite losses (a :class:`~twinkle_megatron.LossMetric`'s ``nonfinite_losses``)
+        counted one since the previous step ended: device ops, no host sync.
         """
         self._note_precision()
         self.timer.stop()
@@ -178,12 +194,27 @@ class MetricsTracker:
                 throughput.add_sequence_lengths(seq_lengths)
         if isinstance(lr, (list, tuple)):
             lr = lr[0]
-        ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros)
+        nonfinite_loss = _any_flag([nonfinite_loss, *self._metrics_nonfinite_losses()])
+        ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros, _skipped(update_successful))
         if self._samples is not None:
             self._samples.end_step(step)
         if step == 1 or step % self.log_interval == 0:
             return self._log(step)
         return None
+
+    def _metrics_nonfinite_losses(self) -> list[torch.Tensor]:
+        """For each metric counting non-finite losses: 1 when its count grew since the last step end, else 0.
+
+        The count is this rank's (identity 0 where the rank's data does not count), read
+        from the states the sync would send: device tensors, compared on the device.
+        """
+        flags = []
+        for metric in self._loss_counters:
+            count = metric.sync_states()[keys.NONFINITE_LOSSES].detach().clone()
+            previous = self._nonfinite_counted.get(id(metric))
+            flags.append((count > 0) if previous is None else (count > previous.to(count.device)))
+            self._nonfinite_counted[id(metric)] = count
+        return flags
 
     def record_grad_norms(self, model_chunks: Any, optimizer: Any = None) -> None:
         """Record per-layer gradient and parameter norms of this step (opt-in; ``tracker/layer_norms.py``).
@@ -219,12 +250,15 @@ class MetricsTracker:
         own = self._states()
         health = [self._layer_norms] if self._layer_norms is not None else []
         pieces = calculate_each([*self.user_metrics, *health, *own])  # the one sync; each metric's own results
+        self._nonfinite_counted.clear()  # the synced metrics were reset: their counts start again at 0
         reset_peak_memory()
         tracker_part = merge_results((type(m).__name__, r) for m, r in pieces if any(m is o for o in own))
         metrics_part = merge_results((type(m).__name__, r) for m, r in pieces if not any(m is o for o in own))
         # A value given to end_step and to a metric too must agree, or one would hide the other.
         record = merge_results([("MetricsTracker (end_step's values)", tracker_part),
                                 ("the tracker's metrics", metrics_part)])
+        if keys.LOSS not in record and record.get(keys.NONFINITE_LOSS_STEPS):
+            record[keys.LOSS] = math.nan  # non-finite losses and no finite one left: the loss is NaN, not absent
         record = merge_results([("the tracker's record", record),  # after the merge: a LossMetric's loss too
                                 ("RecordSmoothing", self.smoothing.compute(record, steps))])
         self.consumed_tokens = record.get(keys.CONSUMED_TOKENS, self.consumed_tokens)
@@ -234,9 +268,8 @@ class MetricsTracker:
                                              f"{keys.METRIC_HOOK_FAILURES}); instrument().calculate() raises them")
         self.last_record = record
         self.logger.log(record, step)
-        if self._samples is not None or self._layer_norms is not None:
-            incident = self.incidents.report(record, step)  # a flagged record (known on every rank): one gather
-            self.last_incident = incident if incident is not None else self.last_incident
+        incident = self.incidents.report(record, step)  # a flagged record (known on every rank): one gather
+        self.last_incident = incident if incident is not None else self.last_incident
         return record
 
     def log_eval(self, step: Optional[int] = None, metrics: Union[MetricCollection, Iterable[Metric], None] = None,
@@ -300,6 +333,7 @@ class MetricsTracker:
         self.last_step = int(state_dict["step"])
         self.consumed_tokens = int(state_dict["consumed_tokens"])
         self.smoothing.averages.load_state_dict(state_dict["ema"])
+        self._nonfinite_counted.clear()
         if self._own is not None:
             step_loss, ranks, throughput = self._own
             step_loss.reset()
@@ -369,6 +403,26 @@ def _metric_list(metrics: Union[MetricCollection, Iterable[Metric], None]) -> li
     if isinstance(metrics, Mapping):
         return list(metrics.values())
     return list(metrics)
+
+
+def _any_flag(flags: Sequence[Any]) -> Any:
+    """The max of 0/1 flags (numbers or device tensors): a number when all are numbers, else a float64 tensor on
+    the accelerator any of them is on (CPU values are copied up, never device values down: no host wait)."""
+    tensors = [flag for flag in flags if isinstance(flag, torch.Tensor)]
+    if not tensors:
+        return max(flags, default=0.0)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+    return torch.stack([torch.as_tensor(flag).to(device=device, dtype=torch.float64).reshape(())
+                        for flag in flags]).amax()
+
+
+def _skipped(update_successful: Any) -> Any:
+    """1 when the optimizer skipped the step (``update_successful`` False), 0 when it did not or it is unknown."""
+    if update_successful is None:
+        return 0.0
+    if isinstance(update_successful, torch.Tensor):
+        return (~update_successful.detach().reshape(()).bool()).to(torch.float64)
+    return 0.0 if update_successful else 1.0
 
 
 def _real_tokens(tokens: Any, loss_mask: Optional[torch.Tensor], labels: Optional[torch.Tensor],
