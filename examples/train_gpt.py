@@ -354,9 +354,11 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             if args.layer_norms:  # after the gradient reduction, before the step clips them
                 tracker.record_grad_norms(chunks, optimizer)                             # <- plugin
-            _, grad_norm, _ = optimizer.step()
-            # The loss comes from instrument()'s LossMetric (per corpus too); the tokens from the loss masks.
-            values.update(grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"],
+            update_successful, grad_norm, _ = optimizer.step()
+            # The loss comes from instrument()'s LossMetric (per corpus too, its non-finite losses counted in the
+            # tracker's train/nonfinite_loss_steps); the tokens from the loss masks; a step the optimizer skipped
+            # (fp16/bf16 loss scaling) in train/skipped_steps.
+            values.update(grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"], update_successful=update_successful,
                           tokens=sum(mb["loss_mask"].sum() for mb in microbatches))
             if args.moe_experts:
                 # Megatron-LM's training_log reduces and clears megatron-core's aux-loss tracker every iteration

@@ -206,3 +206,121 @@ def test_flag_reasons():
     assert flag_reasons({"grad_norm/layer_03": float("inf"), "grad_norm/max_layer_over_median": float("inf")}) == \
         ["nonfinite_grad_norm"]
     assert flag_reasons({"grad_norm/max_layer_over_median": float("inf")}) == []  # a zero median: no incident
+
+
+# ------------------------------------------------------------------ a NaN planted in one sample's embeddings
+
+NAN_TOKEN = SPEC.vocab_size - 1  # the planted sample's every input token: what the embedding hook looks for
+NAN_STEP = 2
+
+
+def _nan_batch(step: int) -> dict:
+    batch = _batch(1)
+    if step == NAN_STEP:
+        batch["tokens"] = batch["tokens"].clone()
+        batch["tokens"][PLANTED] = NAN_TOKEN
+    return batch
+
+
+def _nan_embeddings(module, args, kwargs, output):
+    """NaN for every token of a row whose inputs are all NAN_TOKEN (a device op: no host sync)."""
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    planted = (input_ids == NAN_TOKEN).all(-1)  # [b]; the output is [s, b, h]
+    return torch.where(planted[None, :, None], torch.full_like(output, float("nan")), output)
+
+
+def _strict_json_line(line: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _train_with_a_nan(log_dir: str, layer_norms: bool, precision: str) -> dict:
+    with cpu_cuda_shim():
+        chunks, optimizer = _fp16_gpt(lr=0.03) if precision == "fp16" else build_trained_gpt(SPEC, lr=0.03)
+        for chunk in chunks:
+            model = chunk.module
+            while not hasattr(model, "embedding") and hasattr(model, "module"):  # DDP(Float16Module(GPTModel))
+                model = model.module
+            if getattr(model, "embedding", None) is not None:  # the first pipeline stage
+                model.embedding.register_forward_hook(_nan_embeddings, with_kwargs=True)
+        metrics = instrument([c.module for c in chunks], [LossMetric(group_names=["even", "odd"]),
+                                                           SampleLosses(top_k=3, dataset_names=["even", "odd"])])
+        tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=("jsonl",), log_dir=log_dir),
+                                 metrics=metrics.metrics)
+        records, updated = {}, {}
+        for step in (1, NAN_STEP):
+            tracker.start_step()
+            train_forward_backward(chunks, _nan_batch(step), micro_batch_size=MICRO_BATCH,
+                                   forward_step_func=metrics.wrap(_forward_step))
+            if layer_norms:
+                tracker.record_grad_norms(chunks, optimizer)
+            update_successful, grad_norm, _ = optimizer.step()
+            updated[step] = update_successful
+            records[step] = tracker.end_step(step, grad_norm=grad_norm, update_successful=update_successful)
+        tracker.close()
+        metrics.detach()
+    return {"records": records, "incident": tracker.last_incident, "updated": updated}
+
+
+NAN_LAYOUTS = [Layout(dp=2), Layout(pp=2, dp=2, vpp=2), Layout(cp=2, dp=2)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("layer_norms", [False, True], ids=["plain", "layer_norms"])
+@pytest.mark.parametrize("layout", NAN_LAYOUTS, ids=[str(layout) for layout in NAN_LAYOUTS])
+def test_a_nan_in_one_samples_embeddings_flags_the_step_and_writes_strict_json(tmp_path, layout, layer_norms,
+                                                                               precision):
+    """The NaN sample's loss is non-finite; the step is flagged nonfinite_loss on every rank (the count of
+    instrument()'s LossMetric feeds train/nonfinite_loss_steps), in fp32 and in fp16 (Megatron's loss scaler
+    skips the step: update_successful False, grad_norm None, counted in train/skipped_steps), with or without
+    per-layer norms, and the incident line is strict JSON naming the sample among its non-finite ones (the
+    data, not the step)."""
+    results = run_distributed(_train_with_a_nan, layout=layout, args=(str(tmp_path), layer_norms, precision),
+                              timeout=240)
+    for result in results:
+        skipped = precision == "fp16"
+        assert result["updated"] == {1: True, NAN_STEP: not skipped}
+        assert result["records"][NAN_STEP]["train/skipped_steps"] == int(skipped)
+        assert result["records"][1]["train/skipped_steps"] == 0
+        record = result["records"][NAN_STEP]
+        assert record["train/nonfinite_loss_steps"] == 1 and record["nonfinite_losses"] >= 1, record
+        assert result["records"][1]["train/nonfinite_loss_steps"] == 0
+        incident = result["incident"]
+        assert incident["step"] == NAN_STEP and "nonfinite_loss" in incident["reasons"], incident
+        nonfinite = [s for s in incident["samples"] if s["loss"] != s["loss"]]
+        assert 1000 + PLANTED in [s["sample_index"] for s in nonfinite], incident
+        assert incident["nonfinite_samples"] == len(nonfinite) and incident["step_wide"] is False
+    lines = (tmp_path / "incidents.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    written = _strict_json_line(lines[0])
+    assert written["step"] == NAN_STEP and "nonfinite_loss" in written["reasons"]
+    assert any(s["loss"] is None for s in written["samples"]) and "/samples/0/loss" in written["nonfinite"]
+    assert 1000 + PLANTED in read_skip_list(str(tmp_path), per_incident=len(written["samples"]))
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        _strict_json_line(line)
+
+
+def _fp16_gpt(lr: float) -> tuple[list, object]:
+    """The kit's GPT in fp16 with Megatron's Float16Module, DDP and its fp16 optimizer (a dynamic loss scaler),
+    the schedule scaling the loss by the optimizer's scale (``grad_scale_func``), as Megatron-LM sets it up."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from kit.megatron_gpt import build_gpt_model, make_config
+    from kit.megatron_training import _cuda_type_name, _with_gloo_groups
+
+    _with_gloo_groups()
+    torch.Tensor.type = _cuda_type_name
+    config = make_config(SPEC, fp16=True, params_dtype=torch.float16, pipeline_dtype=torch.float16)
+    config.finalize_model_grads_func = finalize_model_grads
+    chunks = [Float16Module(config, chunk) for chunk in build_gpt_model(SPEC, config=config)]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+               for index, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, fp16=True, clip_grad=0.0,
+                                                       initial_loss_scale=2.0 ** 8), wrapped)
+    config.grad_scale_func = optimizer.scale_loss
+    return wrapped, optimizer

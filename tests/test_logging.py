@@ -37,7 +37,8 @@ def test_jsonl_round_trip(tmp_path):
     logger.close()
     lines = path.read_text().splitlines()
     assert [json.loads(line) for line in lines] == read_jsonl(str(path)) == [
-        {"step": 1, "loss": 2.5, "tokens": 128, "mfu": 0.41, "bad": None},  # numbers only; NaN is not JSON
+        {"step": 1, "loss": 2.5, "tokens": 128, "mfu": 0.41, "bad": None,  # numbers only; NaN is not JSON:
+         "nonfinite": {"/bad": "NaN"}},  # null, and what it was
         {"step": 10, "loss": 2.25, "memory/peak_reserved_gib": 60.5, "train/loss_spike": 1},
     ]
 
