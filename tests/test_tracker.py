@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import time
 
@@ -313,3 +315,39 @@ def test_tracker_config_and_keywords_are_the_same_tracker():
     assert overridden.config.log_interval == 5 and overridden.config.ema_alpha == 0.5
     with pytest.raises(ValueError, match="model_config needs padded_vocab_size"):
         TrackerConfig(model_config=object())
+
+
+def test_a_loss_metrics_nonfinite_loss_flags_the_step_and_the_loss_reads_nan(tmp_path, capsys):
+    """The loop of docs/step-health.md: no loss= to end_step, a LossMetric among the tracker's metrics; a NaN
+    loss it counts is a non-finite-loss step, the loss reads NaN (null in the file), an incident is printed and
+    written without SampleLosses or layer norms; an fp16 step Megatron skipped is counted."""
+    loss = LossMetric()
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=3, backends=("stdout", "jsonl"), log_dir=str(tmp_path)),
+                             metrics=[loss])
+    values = {1: [2.0, 2.0], 2: [2.0, 2.0], 3: [2.0, 2.0], 4: [2.0, float("nan")], 5: [float("nan")] * 2,
+              6: [float("nan")]}
+    records = {}
+    for step, losses in values.items():
+        with forbid_host_sync() if step in (2, 4, 5) else contextlib.nullcontext():  # no log step
+            loss.accumulate([{}] * len(losses), {"loss": [torch.tensor(v) for v in losses]})
+            records[step] = tracker.end_step(step, update_successful=step != 6, grad_norm=None if step == 6 else 1.0)
+    tracker.close()
+    assert records[3]["train/nonfinite_loss_steps"] == 0 and records[3]["loss"] == 2.0
+    assert records[6]["train/nonfinite_loss_steps"] == 3 and records[6]["nonfinite_losses"] == 4
+    assert records[6]["loss"] == 2.0 and records[6]["train/skipped_steps"] == 1  # step 4's finite value
+    out = capsys.readouterr().out
+    assert "NONFINITE_LOSS_STEPS 3 | NONFINITE_LOSSES 4 | SKIPPED_STEPS 1" in out
+    assert "[incident] step 6: nonfinite_loss (loss 2" in out
+    lines = (tmp_path / "incidents.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [6]
+
+    only_nan = LossMetric()
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=("stdout", "jsonl"),
+                                                  log_dir=str(tmp_path / "nan")), metrics=[only_nan])
+    only_nan.accumulate([{}], {"loss": [torch.tensor(float("nan"))]})
+    record = tracker.end_step(1)
+    assert record["loss"] != record["loss"] and record["train/nonfinite_loss_steps"] == 1
+    assert "step 1 | loss nan |" in capsys.readouterr().out
+    written = json.loads((tmp_path / "nan" / "metrics.jsonl").read_text(),
+                         parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert written["loss"] is None and written["nonfinite"]["/loss"] == "NaN"
