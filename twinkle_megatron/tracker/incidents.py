@@ -55,7 +55,7 @@ from ..metric.positions import is_position_label
 from ..metric.sample_losses import SampleLosses
 
 INCIDENTS_FILE = "incidents.jsonl"
-STEP_WIDE_RATIO = 1.2  # a sample below this × the step's loss is typical of its step
+STEP_WIDE_RATIO = 1.5  # a sample below this × the step's loss is typical of its step
 _LAYERS_REPORTED = 5
 
 
