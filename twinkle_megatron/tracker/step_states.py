@@ -19,7 +19,7 @@ SUM all-reduce in total), and each returns its part of the record from its own
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -123,3 +123,50 @@ class RankStates(Metric):
             if value != _ABSENT:
                 results[keys.MEMORY_PREFIX + field] = int(value) if field in ("alloc_retries", "ooms") else value
         return results
+
+
+class NonfiniteLossCounts:
+    """Per step, whether a metric among the tracker's counted a non-finite loss: 1 when its ``nonfinite_losses``
+    state (LossMetric and its kind, whose result key is that state's name) grew since the previous step end.
+
+    The count is this rank's (the identity 0 where the rank's data does not count), read from the states the
+    sync would send: device tensors, compared on the device (no host sync). The same flag as a non-finite loss
+    given to ``end_step``, so ``train/nonfinite_loss_steps`` counts divergence one way.
+    """
+
+    def __init__(self, metrics: Iterable[Metric]) -> None:
+        self.metrics = [m for m in metrics if keys.NONFINITE_LOSSES in m.state_specs]
+        self._counted: dict[int, torch.Tensor] = {}  # id(metric) -> its count at the last step end
+
+    def step_flags(self) -> list[torch.Tensor]:
+        flags = []
+        for metric in self.metrics:
+            count = metric.sync_states()[keys.NONFINITE_LOSSES].detach().clone()
+            previous = self._counted.get(id(metric))
+            flags.append((count > 0) if previous is None else (count > previous.to(count.device)))
+            self._counted[id(metric)] = count
+        return flags
+
+    def reset(self) -> None:
+        """The metrics were reset (synced) or reloaded: their counts start again."""
+        self._counted.clear()
+
+
+def any_flag(flags: Sequence[Any]) -> Any:
+    """The max of 0/1 flags (numbers or device tensors): a number when all are numbers, else a float64 tensor on
+    the accelerator any of them is on (CPU values are copied up, never device values down: no host wait)."""
+    tensors = [flag for flag in flags if isinstance(flag, torch.Tensor)]
+    if not tensors:
+        return max(flags, default=0.0)
+    device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
+    return torch.stack([torch.as_tensor(flag).to(device=device, dtype=torch.float64).reshape(())
+                        for flag in flags]).amax()
+
+
+def skipped_flag(update_successful: Any) -> Any:
+    """1 when the optimizer skipped the step (``update_successful`` False), 0 when it did not or it is unknown."""
+    if update_successful is None:
+        return 0.0
+    if isinstance(update_successful, torch.Tensor):
+        return (~update_successful.detach().reshape(()).bool()).to(torch.float64)
+    return 0.0 if update_successful else 1.0

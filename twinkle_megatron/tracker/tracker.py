@@ -62,7 +62,7 @@ from .memory import reset_peak_memory
 from .peak import current_device_name, fp8_autocast_active, peak_tflops
 from .run_config import build_run_config
 from .smoothing import RecordSmoothing
-from .step_states import RankStates, StepLoss
+from .step_states import NonfiniteLossCounts, RankStates, StepLoss, any_flag, skipped_flag
 from .throughput import Throughput
 from .timer import StepTimer
 
@@ -121,11 +121,7 @@ class MetricsTracker:
         self._warned: set[str] = set()
         self._layer_norms: Optional[LayerNorms] = None  # opt-in: record_grad_norms
         self._samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
-        # Metrics that count non-finite losses in a state of that name (LossMetric and its kind, whose result key
-        # is the state's name): each step whose count grew is a
-        # non-finite-loss step, the same count end_step's own loss feeds (one rule for train/nonfinite_loss_steps).
-        self._loss_counters = [m for m in self.user_metrics if keys.NONFINITE_LOSSES in m.state_specs]
-        self._nonfinite_counted: dict[int, torch.Tensor] = {}  # id(metric) -> its count at the last step end
+        self._metric_losses = NonfiniteLossCounts(self.user_metrics)  # a LossMetric's non-finite losses, per step
         self.incidents = IncidentReporter(self._samples, config.log_dir if "jsonl" in config.backends else None,
                                           config.writer_rank)
         if dist.is_available() and dist.is_initialized():
@@ -194,27 +190,13 @@ class MetricsTracker:
                 throughput.add_sequence_lengths(seq_lengths)
         if isinstance(lr, (list, tuple)):
             lr = lr[0]
-        nonfinite_loss = _any_flag([nonfinite_loss, *self._metrics_nonfinite_losses()])
-        ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros, _skipped(update_successful))
+        nonfinite_loss = any_flag([nonfinite_loss, *self._metric_losses.step_flags()])
+        ranks.add_step(nonfinite_loss, grad_norm, lr, num_zeros, skipped_flag(update_successful))
         if self._samples is not None:
             self._samples.end_step(step)
         if step == 1 or step % self.log_interval == 0:
             return self._log(step)
         return None
-
-    def _metrics_nonfinite_losses(self) -> list[torch.Tensor]:
-        """For each metric counting non-finite losses: 1 when its count grew since the last step end, else 0.
-
-        The count is this rank's (identity 0 where the rank's data does not count), read
-        from the states the sync would send: device tensors, compared on the device.
-        """
-        flags = []
-        for metric in self._loss_counters:
-            count = metric.sync_states()[keys.NONFINITE_LOSSES].detach().clone()
-            previous = self._nonfinite_counted.get(id(metric))
-            flags.append((count > 0) if previous is None else (count > previous.to(count.device)))
-            self._nonfinite_counted[id(metric)] = count
-        return flags
 
     def record_grad_norms(self, model_chunks: Any, optimizer: Any = None) -> None:
         """Record per-layer gradient and parameter norms of this step (opt-in; ``tracker/layer_norms.py``).
@@ -250,7 +232,7 @@ class MetricsTracker:
         own = self._states()
         health = [self._layer_norms] if self._layer_norms is not None else []
         pieces = calculate_each([*self.user_metrics, *health, *own])  # the one sync; each metric's own results
-        self._nonfinite_counted.clear()  # the synced metrics were reset: their counts start again at 0
+        self._metric_losses.reset()  # the synced metrics were reset: their counts start again at 0
         reset_peak_memory()
         tracker_part = merge_results((type(m).__name__, r) for m, r in pieces if any(m is o for o in own))
         metrics_part = merge_results((type(m).__name__, r) for m, r in pieces if not any(m is o for o in own))
@@ -333,7 +315,7 @@ class MetricsTracker:
         self.last_step = int(state_dict["step"])
         self.consumed_tokens = int(state_dict["consumed_tokens"])
         self.smoothing.averages.load_state_dict(state_dict["ema"])
-        self._nonfinite_counted.clear()
+        self._metric_losses.reset()
         if self._own is not None:
             step_loss, ranks, throughput = self._own
             step_loss.reset()
@@ -403,26 +385,6 @@ def _metric_list(metrics: Union[MetricCollection, Iterable[Metric], None]) -> li
     if isinstance(metrics, Mapping):
         return list(metrics.values())
     return list(metrics)
-
-
-def _any_flag(flags: Sequence[Any]) -> Any:
-    """The max of 0/1 flags (numbers or device tensors): a number when all are numbers, else a float64 tensor on
-    the accelerator any of them is on (CPU values are copied up, never device values down: no host wait)."""
-    tensors = [flag for flag in flags if isinstance(flag, torch.Tensor)]
-    if not tensors:
-        return max(flags, default=0.0)
-    device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
-    return torch.stack([torch.as_tensor(flag).to(device=device, dtype=torch.float64).reshape(())
-                        for flag in flags]).amax()
-
-
-def _skipped(update_successful: Any) -> Any:
-    """1 when the optimizer skipped the step (``update_successful`` False), 0 when it did not or it is unknown."""
-    if update_successful is None:
-        return 0.0
-    if isinstance(update_successful, torch.Tensor):
-        return (~update_successful.detach().reshape(()).bool()).to(torch.float64)
-    return 0.0 if update_successful else 1.0
 
 
 def _real_tokens(tokens: Any, loss_mask: Optional[torch.Tensor], labels: Optional[torch.Tensor],
