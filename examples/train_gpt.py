@@ -47,7 +47,8 @@ router losses), with the per-layer keys the expert-load heat map of
 Preemption: SIGUSR1 or SIGTERM makes every rank finish its current step, save a
 checkpoint of that step and exit with status 0; ``--resume`` continues from it
 (``examples/slurm/train.sbatch`` does both). Flags are checked before any rank
-starts: a layout or size that cannot work exits with status 2 and one message.
+starts: a layout or size that cannot work, or a logging backend that is unknown or
+not installed, exits with status 2 and one message.
 """
 
 from __future__ import annotations
@@ -519,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     logging_.add_argument("--log-dir", default="runs", help="RUN_DIR is LOG_DIR/RUN_NAME")
     logging_.add_argument("--backends", nargs="+", default=None,
                           help="any of stdout jsonl tensorboard wandb swanlab mlflow (None: stdout jsonl, and "
-                               "tensorboard when installed)")
+                               "tensorboard when installed); an unknown one, or one whose package is not "
+                               "installed, is refused before any rank starts")
     logging_.add_argument("--stdout", choices=("compact", "full"), default="compact",
                           help="the console's step line: compact (loss, accuracy per dataset, throughput, step "
                                "time) or full (every key); RUN_DIR/metrics.jsonl always has every key")
@@ -541,9 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="leave these samples out of the loss: an incidents.jsonl (each incident's top sample) "
                              "or a text file of sample indices")
     parser.add_argument("--check-flags", action="store_true",
-                        help="check the flags against the layout and the world (torchrun's WORLD_SIZE when set) "
-                             "and exit: 0 when they work, 2 with the problems; --device auto counts as cuda (the "
-                             "GPU nodes', not this machine's). What DRY_RUN=1 of examples/slurm/train.sbatch runs")
+                        help="check the flags against the layout and the world (torchrun's WORLD_SIZE when set), "
+                             "import the package of every --backends entry, and exit: 0 when they work, 2 with the "
+                             "problems; --device auto counts as cuda (the GPU nodes', not this machine's). What "
+                             "DRY_RUN=1 of examples/slurm/train.sbatch runs")
     return parser
 
 
@@ -556,6 +559,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.device = "cuda" if args.check_flags and args.device == "auto" else _device(args.device)
     if args.dp is None and not under_torchrun:
         args.dp = 2
+    if args.backends is None:
+        args.backends = ["stdout", "jsonl"]
+        try:
+            import tensorboard  # noqa: F401
+
+            args.backends.append("tensorboard")
+        except ImportError:
+            pass
     problems = flag_problems(args, world_size)
     if problems:
         if int(os.environ.get("RANK", 0)) != 0:  # under torchrun rank 0 alone says it
@@ -566,14 +577,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Megatron-LM pads the vocabulary to a multiple of 128·TP; a multiple of TP is enough to show padding.
     args.padded_vocab_size = -(-args.vocab_size // args.tp) * args.tp + args.tp
     args.run_dir = os.path.join(args.log_dir, args.run_name)
-    if args.backends is None:
-        args.backends = ["stdout", "jsonl"]
-        try:
-            import tensorboard  # noqa: F401
-
-            args.backends.append("tensorboard")
-        except ImportError:
-            pass
     return args
 
 
@@ -589,7 +592,7 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
     ``world_size``: the ranks torchrun started (None when this script forks the ranks, from ``--dp``).
     The checks are Megatron's own (heads and layers divisible by TP, PP and VPP; microbatches by PP
     with VPP; the sequence by 2·CP) and this script's; the vocabulary needs none: it is padded to a
-    multiple of TP.
+    multiple of TP. ``--backends`` must name backends whose packages are installed (:func:`backend_problems`).
     """
     problems = []
     at_least = {"steps": 1, "tp": 1, "pp": 1, "cp": 1, "log_interval": 1, "microbatches": 1,
@@ -642,6 +645,8 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
                             "local layer norm does not support: use --tp 1 on CPU (or Transformer Engine on GPUs)")
     elif args.ep > 1:
         problems.append(f"--ep {args.ep} needs MoE layers (--moe-experts)")
+    if args.backends is not None:
+        problems += backend_problems(args.backends, import_packages=getattr(args, "check_flags", False))
     if args.save_interval % args.log_interval:
         problems.append(f"--save-interval {args.save_interval} is not a multiple of --log-interval "
                         f"{args.log_interval}: a checkpoint between log steps would lose the counts of the "
@@ -654,6 +659,26 @@ def flag_problems(args: argparse.Namespace, world_size: Optional[int] = None) ->
         elif args.dp is not None and args.dp != world_size // model_parallel:
             problems.append(f"--dp {args.dp} does not match torchrun's {world_size} ranks / {model_parallel} "
                             f"= {world_size // model_parallel}; leave --dp out under torchrun")
+    return problems
+
+
+def backend_problems(backends: list[str], import_packages: bool = False) -> list[str]:
+    """What keeps ``--backends`` from logging, as sentences (empty when every backend can open): unknown
+    names, packages that are not installed (with ``import_packages``, as ``--check-flags`` asks: that do not
+    import). Checked before any rank starts: a backend that fails at the first log step is disabled with a
+    warning, and a job on a cluster would run to its end without it."""
+    try:
+        from twinkle_megatron.logging import BACKENDS, check_backends
+    except ImportError as error:
+        _missing("twinkle_megatron", error)
+    problems = []
+    unknown = [name for name in backends if name not in BACKENDS]
+    if unknown:
+        problems.append(f"--backends {' '.join(unknown)}: unknown (choose from {' '.join(BACKENDS)})")
+    try:
+        check_backends([name for name in backends if name in BACKENDS], import_packages=import_packages)
+    except ImportError as error:
+        problems.append(f"--backends: {error}")
     return problems
 
 

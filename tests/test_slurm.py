@@ -35,6 +35,8 @@ SLURM_ENV = {
     "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "gpt", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
     "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_GPUS_ON_NODE": "4", "SLURM_RESTART_COUNT": "0",
 }
+# The package under test, for the scripts a test runs in a process of their own (a checkout on PYTHONPATH).
+PACKAGE_PATH = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
 EXPECTED_2x4 = ("torchrun --nnodes=2 --nproc-per-node=4 --node-rank=1 --rdzv-backend=c10d "
                 "--rdzv-endpoint=node01:24242 --rdzv-id=4242 examples/train_gpt.py --tp 2 --pp 2 "
                 "--run-name gpt-4242 --log-dir runs --steps 100 --microbatches 8")
@@ -65,7 +67,8 @@ def test_command_for_2_nodes_of_4_gpus(capsys):
 
 def test_node_zero_prints_the_layout_once(capsys):
     script = os.path.join(ROOT, "examples", "train_gpt.py")
-    assert launch.main(["--dry-run", "--tp", "2", "--pp", "2", script], env={**SLURM_ENV, "SLURM_NODEID": "0"}) == 0
+    node_zero = {**SLURM_ENV, "SLURM_NODEID": "0", **PACKAGE_PATH}
+    assert launch.main(["--dry-run", "--tp", "2", "--pp", "2", script], env=node_zero) == 0
     captured = capsys.readouterr()
     assert "--node-rank=0" in captured.out
     assert "2 nodes × 4 GPUs = 8 ranks, TP2 × PP2 × CP1 × DP2; rendezvous node01:24242" in captured.err
@@ -197,7 +200,7 @@ def test_sbatch_dry_run_end_to_end(tmp_path):
 def test_sbatch_dry_run_without_an_allocation(tmp_path):
     """`DRY_RUN=1 bash train.sbatch` outside Slurm: no srun needed; one torchrun line per node of NODES."""
     env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DRY_RUN": "1", "NODES": "2", "GPUS_PER_NODE": "4",
-           "HOME": str(tmp_path)}
+           "HOME": str(tmp_path), **PACKAGE_PATH}
     result = subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "DRY_RUN outside an allocation: NODES=2 × GPUS_PER_NODE=4" in result.stdout
@@ -230,7 +233,8 @@ def test_torchrun_is_started_ignoring_usr1(tmp_path):
 
 
 def _dry_run(tmp_path, **knobs):
-    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "HOME": str(tmp_path), "DRY_RUN": "1", **knobs}
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "HOME": str(tmp_path), "DRY_RUN": "1",
+           **PACKAGE_PATH, **knobs}
     return subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -251,6 +255,24 @@ def test_the_world_size_is_checked_with_the_script_as_torchrun_would_start_it(tm
     refused = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", TP="2", PP="2", TRAIN_ARGS="--dp 2")
     assert refused.returncode == 2
     assert "--dp 2 does not match torchrun's 4 ranks / 4 = 1" in refused.stderr
+
+
+def test_dry_run_refuses_unknown_and_uninstalled_backends(tmp_path):
+    """BACKENDS with a misspelt name and a backend whose package is missing fails the dry run, before any command
+    is printed. The package is made missing in the job's Python by a ``sys.modules`` entry of None (planted by a
+    sitecustomize), so this holds whether or not wandb is installed here."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
+    python_path = os.pathsep.join(filter(None, [str(planted), os.environ.get("PYTHONPATH")]))
+    refused = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", BACKENDS="stdout wandbb wandb", PYTHONPATH=python_path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines()[-1] == (
+        "launch.py: error: examples/train_gpt.py refuses its flags for 4 ranks: train_gpt.py: error: --backends "
+        "wandbb: unknown (choose from stdout jsonl tensorboard wandb swanlab mlflow); --backends: logging backend "
+        "'wandb' needs the package 'wandb', which is not installed: pip install 'twinkle-megatron[wandb]', or leave "
+        "'wandb' out of the backends")
+    assert "torchrun" not in refused.stdout
 
 
 def test_a_script_without_check_flags_is_reported_unchecked(tmp_path):
@@ -329,10 +351,24 @@ def documented_dry_runs(tmp_path_factory) -> dict:
     return {knobs: done.result() for knobs, done in running.items()}
 
 
+def _uninstalled_backends(knobs: dict[str, str]) -> list[str]:
+    """The backends of a submission's BACKENDS whose package (named as the backend) is not installed here."""
+    return [name for name in knobs.get("BACKENDS", "").split()
+            if name in ("tensorboard", "wandb", "swanlab", "mlflow") and importlib.util.find_spec(name) is None]
+
+
 @pytest.mark.parametrize("command, expected_error", SUBMISSIONS)
 def test_every_documented_submission_passes_its_dry_run(command, expected_error, documented_dry_runs):
-    """Each documented `sbatch` line, as DRY_RUN=1 with its --nodes/--gpus-per-node as NODES/GPUS_PER_NODE."""
-    done = documented_dry_runs[tuple(sorted(_knobs(command).items()))]
+    """Each documented `sbatch` line, as DRY_RUN=1 with its --nodes/--gpus-per-node as NODES/GPUS_PER_NODE.
+
+    A line naming a logging backend that is not installed here (``BACKENDS="... wandb"`` without wandb) is
+    refused by that dry run, as it would be before a submission: the test expects the refusal then."""
+    knobs = _knobs(command)
+    done = documented_dry_runs[tuple(sorted(knobs.items()))]
+    uninstalled = _uninstalled_backends(knobs)
+    if uninstalled and not expected_error:
+        expected_error = (f"logging backend {uninstalled[0]!r} needs the package {uninstalled[0]!r}, which is not "
+                          f"installed: pip install 'twinkle-megatron[{uninstalled[0]}]'")
     if expected_error:
         assert done.returncode == 2 and expected_error in " ".join(done.stderr.split()), done.stderr
     else:

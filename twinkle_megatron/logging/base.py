@@ -54,6 +54,8 @@ class Backend:
     :meth:`open` once, on the writing rank only, right before the first
     :meth:`write`; a backend's library is imported there, never at module import,
     so an uninstalled library costs nothing until it is asked for.
+    :func:`~twinkle_megatron.logging.check_backends` (``TrackerConfig(strict_backends=True)``)
+    finds that library before training instead, from :attr:`requires` and :attr:`pip_extra`.
 
     ``write`` gets numbers only (see :func:`numeric_record`). Any exception
     raised by ``open``, ``write`` or ``close`` disables the backend with one
@@ -62,6 +64,10 @@ class Backend:
     """
 
     name = "backend"
+    requires: tuple[str, ...] = ()
+    """The Python packages (top-level import names) that ``open`` imports; empty: none beyond torch."""
+    pip_extra: Optional[str] = None
+    """The twinkle-megatron extra that installs them (``pip install 'twinkle-megatron[<extra>]'``), if any."""
 
     def open(self, run: RunStart) -> None:
         """Prepare to write (import the library, open files or runs); drop points at ``run.first_step`` or later."""

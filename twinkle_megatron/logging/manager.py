@@ -25,7 +25,9 @@ class MetricsLogger:
     step or later, so a restarted run never shows a step twice. A backend whose
     ``open`` (an import, a file, a login) or ``write`` raises is disabled with
     one ``RuntimeWarning`` and the others carry on: training never stops for
-    logging.
+    logging. To stop before training instead when a backend's package is missing,
+    check the backends first (:func:`~twinkle_megatron.logging.check_backends`,
+    ``TrackerConfig(strict_backends=True)``).
     """
 
     def __init__(self, backends: Iterable[Backend] = (), writer_rank: int = 0, log_dir: Optional[str] = None) -> None:

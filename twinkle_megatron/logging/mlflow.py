@@ -58,6 +58,8 @@ class MlflowBackend(Backend):
     """Logs to an MLflow run (see the module docstring for which one)."""
 
     name = "mlflow"
+    requires = ("mlflow",)
+    pip_extra = "mlflow"
 
     def __init__(self, experiment: Optional[str] = None, run_name: Optional[str] = None,
                  run_id: Optional[str] = None, tracking_uri: Optional[str] = None,

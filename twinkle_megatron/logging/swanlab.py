@@ -41,6 +41,8 @@ class SwanLabBackend(ExperimentBackend):
     """Logs to a SwanLab experiment (see the module docstring for which one)."""
 
     name = "swanlab"
+    requires = ("swanlab",)
+    pip_extra = "swanlab"
 
     def __init__(self, project: Optional[str] = None, experiment_name: Optional[str] = None,
                  run_id: Optional[str] = None, config: Optional[Mapping[str, Any]] = None,

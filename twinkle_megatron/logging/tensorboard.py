@@ -34,6 +34,8 @@ class TensorBoardBackend(Backend):
     """One scalar per key and log step, in ``log_dir``."""
 
     name = "tensorboard"
+    requires = ("tensorboard",)  # what torch.utils.tensorboard imports
+    pip_extra = "tensorboard"
 
     def __init__(self, log_dir: str, flush_every_write: bool = True) -> None:
         self.log_dir = log_dir

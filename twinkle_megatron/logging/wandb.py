@@ -61,6 +61,8 @@ class WandbBackend(ExperimentBackend):
     """
 
     name = "wandb"
+    requires = ("wandb",)
+    pip_extra = "wandb"
 
     def __init__(self, project: Optional[str] = None, name: Optional[str] = None, run_id: Optional[str] = None,
                  config: Optional[Mapping[str, Any]] = None, directory: Optional[str] = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from ..logging import BACKENDS, Backend
+from ..logging import BACKENDS, Backend, check_backends
 from .peak import PRECISIONS
 
 
@@ -54,7 +54,13 @@ class TrackerConfig:
 
     backends: Sequence[Union[str, Backend]] = ("stdout", "jsonl")
     """Names (``stdout``, ``jsonl``, ``tensorboard``, ``wandb``, ``swanlab``, ``mlflow``) or
-    :class:`~twinkle_megatron.logging.Backend` objects."""
+    :class:`~twinkle_megatron.logging.Backend` objects. A backend whose package is missing warns at
+    the first log step and is disabled, and training goes on (unless ``strict_backends``)."""
+
+    strict_backends: bool = False
+    """Check at construction, on every rank, that each backend's package is installed
+    (:func:`~twinkle_megatron.logging.check_backends`, found without importing it): an
+    ``ImportError`` names the backend, the package and the pip extra before training starts."""
 
     log_dir: str = "logs"
     """Where file backends write (``metrics.jsonl``, ``tensorboard/``, run ids)."""
@@ -95,3 +101,7 @@ class TrackerConfig:
         for backend in self.backends:
             if not isinstance(backend, Backend) and backend not in BACKENDS:
                 refuse("backends", backend, f"one of {BACKENDS} or a Backend")
+        if not isinstance(self.strict_backends, bool):
+            refuse("strict_backends", self.strict_backends, "a bool")
+        if self.strict_backends:
+            check_backends(self.backends)
