@@ -14,7 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any, List, Tuple
 
 if TYPE_CHECKING:
-    from .logging.runlog import RunLog
+    from ..logging.runlog import RunLog
 
 POSITION_KEY = re.compile(r"^loss/pos_(\d+)-(\d+)$")
 

@@ -20,12 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
-from . import keys
-from .plot_incidents import mark_incidents
-from .plot_positions import draw_loss_by_position, position_keys
+from .. import keys
+from .incidents import mark_incidents
+from .positions import draw_loss_by_position, position_keys
 
 if TYPE_CHECKING:
-    from .logging.runlog import RunLog
+    from ..logging.runlog import RunLog
 
 MARKERS_UP_TO = 40  # points per series; fewer get markers, so a short run is more than a bare line
 
