@@ -27,17 +27,18 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from ..keys import position_bucket_key
 from .groups import POSITIONS_SUFFIX, TokenGroups
 
 
 class PositionBuckets(NamedTuple):
-    """Bucket edges ``e_0 < … < e_B`` and the bucket names ``pos_<e_b>-<e_{b+1}−1>``."""
+    """Bucket edges ``e_0 < … < e_B`` and the bucket names ``pos_<e_b>-<e_{b+1}−1>`` (``keys.position_bucket_key``)."""
 
     edges: tuple[int, ...]
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return tuple(f"pos_{first}-{end - 1}" for first, end in zip(self.edges[:-1], self.edges[1:]))
+        return tuple(position_bucket_key(first, end) for first, end in zip(self.edges[:-1], self.edges[1:]))
 
     @property
     def partition(self) -> tuple[str, tuple[str, ...]]:
