@@ -357,18 +357,10 @@ def _moe_load_title(log: RunLog) -> str:
 
 # ------------------------------------------------------------------ per dataset (group_names)
 
-def _grouped(key: str) -> Optional[Tuple[str, str]]:
-    """(statistic, dataset) of a per-dataset key ``loss/<name>`` or ``accuracy/<name>``; None for any other key
-    (a position bucket's ``loss/pos_0-511`` has its own panel)."""
-    statistic, _, name = key.partition("/")
-    if statistic in (keys.LOSS, "accuracy") and name and "/" not in name \
-            and keys.parse_position_bucket_key(name) is None:
-        return statistic, name
-    return None
-
-
 def _groups(log: RunLog, statistic: str) -> List[str]:
-    return [grouped[1] for key in log.keys if (grouped := _grouped(key)) and grouped[0] == statistic]
+    """The datasets of the ``<statistic>/<name>`` keys (a position bucket's ``loss/pos_0-511`` has its own panel)."""
+    names = [key[len(statistic) + 1:] for key in log.keys if key.startswith(statistic + "/")]
+    return [name for name in names if name and "/" not in name and keys.parse_position_bucket_key(name) is None]
 
 
 def _draw_datasets(axes: Any, log: RunLog) -> None:
@@ -388,7 +380,7 @@ def _draw_datasets(axes: Any, log: RunLog) -> None:
 
 def dataset_panels(log: RunLog) -> List[Panel]:
     """For a log with per-dataset keys (``loss/<name>``, ``accuracy/<name>``): their curves on one panel."""
-    keys_present = tuple(key for key in log.keys if _grouped(key))
+    keys_present = tuple(f"{stat}/{name}" for stat in (keys.LOSS, "accuracy") for name in _groups(log, stat))
     return [Panel("datasets", "Per dataset", keys_present, _draw_datasets)] if keys_present else []
 
 
