@@ -138,10 +138,17 @@ triton: $(STAMP)
 kernel-test: triton
 	TRITON_INTERPRET=1 $(PY) -m pytest tests/test_triton_token_stats.py tests/test_kernel_select.py tests/test_gpu_check.py
 
-# On one CUDA device: tests, kernel correctness and bandwidth, training overhead; records the kernel check.
-# Without CUDA it says so and exits 0.
+# On one CUDA device: the `cuda` tests (with the kernel's tests, compiled), the kernel check that writes the record
+# kernel="auto" reads (twinkle-megatron kernel-check), then the timings (benchmarks/gpu_timings.py). Without CUDA
+# it says so and exits 0.
 gpu-check: $(STAMP)
-	$(PY) benchmarks/gpu_check.py
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		echo "gpu-check on $$($(PY) -c 'import torch; print(torch.cuda.get_device_name())'): tests, kernel check, timings"; \
+		$(PY) -m pytest tests/test_cuda.py tests/test_triton_token_stats.py tests/test_kernel_select.py -p no:cacheprovider \
+		&& $(PY) -m twinkle_megatron.cli kernel-check && $(PY) benchmarks/gpu_timings.py; \
+	else \
+		echo "gpu-check: no CUDA device (torch.cuda.is_available() is False): nothing was checked; on CPU, make kernel-test tests the kernel under Triton's interpreter"; \
+	fi
 
 clean:
 	rm -rf $(VENV) $(TWINKLE_VENV) .mcore .cache build *.egg-info .pytest_cache .ruff_cache

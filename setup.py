@@ -29,7 +29,7 @@ setup(
     # In the wheel's .dist-info: the licence, and the NOTICE crediting the designs this one follows.
     license_files=["LICENSE", "NOTICE"],
     packages=find_packages(include=["twinkle_megatron", "twinkle_megatron.*"]),
-    # The device-check record the Triton kernel's selection reads (written by `make gpu-check`).
+    # The device-check record the Triton kernel's selection reads (written by `twinkle-megatron kernel-check`).
     package_data={"twinkle_megatron.ops": ["kernel_checks.json"]},
     python_requires=">=3.10",
     # No version pin on torch: installing this package must never pull a new torch. megatron-core: the

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from step_overhead import forward_step  # Megatron-LM's forward_step and per-token loss_func, shared with gpu-check
+from step_overhead import forward_step  # Megatron-LM's forward_step and per-token loss_func, shared with gpu_timings.py
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "plugin", "plugin + tracker", "fused loss", "fused loss + tracker")

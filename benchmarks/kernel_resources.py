@@ -10,7 +10,7 @@ spills). For each configuration of :func:`launch_config` (the default one and a
 few alternatives) it prints those, and whether the loads are 16-byte vector
 loads (``ld.global.v4``) or pipelined ``cp.async`` copies.
 
-It cannot say how fast the kernel is: ``benchmarks/gpu_check.py`` measures that
+It cannot say how fast the kernel is: ``benchmarks/gpu_timings.py`` measures that
 on a GPU. It must not run with ``TRITON_INTERPRET=1`` (the interpreter replaces
 the compiler), so it clears the variable before importing Triton.
 """

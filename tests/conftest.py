@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 # Triton reads TRITON_INTERPRET once, when it is first imported -- and megatron-core imports it whenever it is
@@ -9,3 +10,17 @@ import torch
 # so the variable must be set before the first test module pulls Triton in. On a GPU it stays unset.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Tests marked `cuda` (tests/test_cuda.py, what `make gpu-check` runs) need a CUDA device; without one they are
+# skipped, unless TWINKLE_MEGATRON_CUDA_TESTS_ON_CPU=1 asks for their dry run on CPU (the kernel interpreted).
+CUDA_TESTS_ON_CPU = os.environ.get("TWINKLE_MEGATRON_CUDA_TESTS_ON_CPU") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or CUDA_TESTS_ON_CPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs it)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

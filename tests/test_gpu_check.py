@@ -1,12 +1,13 @@
-"""The CPU-runnable parts of ``make gpu-check`` (``benchmarks/gpu_check.py``, ``benchmarks/step_overhead.py``).
+"""The CPU-runnable parts of ``make gpu-check``: ``twinkle-megatron kernel-check`` (``ops/kernel_check.py``),
+``benchmarks/gpu_timings.py`` and ``benchmarks/step_overhead.py``.
 
 What needs a GPU (timing with CUDA events, the compiled kernel, NCCL, TE) runs
-only in ``make gpu-check`` itself. Here: the no-CUDA exit, argument parsing,
-the table, the bandwidth arithmetic, the pass/fail verdict that goes into the
-selection's record, reading a real tracker JSONL log, and the step-overhead
-harness through real megatron-core on a CPU rank (CUDA-to-CPU shim), with the
-token statistics' local pass forced to the torch loop and to the Triton kernel
-(interpreted) inside a real ``GPTModel`` step.
+only in ``make gpu-check`` itself. Here: the no-CUDA exits, the kernel check
+with the kernel interpreted and the record it writes read back by the selection,
+the timings' arguments, table and bandwidth arithmetic, reading a real tracker
+JSONL log, and the step-overhead harness through real megatron-core on a CPU
+rank (CUDA-to-CPU shim), with the token statistics' local pass forced to the
+torch loop and to the Triton kernel (interpreted) inside a real ``GPTModel`` step.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import gpu_check  # noqa: E402
-from gpu_check import (  # noqa: E402
+import gpu_timings  # noqa: E402
+from gpu_timings import (  # noqa: E402
     Row,
     copy_bandwidth,
     effective_bandwidth,
@@ -32,10 +33,11 @@ from gpu_check import (  # noqa: E402
     format_table,
     goal_status,
     parse_args,
-    record_verdict,
     shard_bytes,
     summarise_train_log,
 )
+
+from twinkle_megatron.cli import NO_CUDA_MESSAGE, main  # noqa: E402
 
 # The harness tests force the kernel on CPU tensors: possible only in Triton's interpreter, which
 # tests/conftest.py turns on where there is no CUDA. On a GPU make gpu-check runs the same code on CUDA.
@@ -45,23 +47,57 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="CUDA present: th
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-def test_without_cuda_it_says_so_and_exits_0() -> None:
-    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+def test_without_cuda_each_part_says_so_and_exits_0(tmp_path: Path, capsys) -> None:
+    record = tmp_path / "record.json"
+    assert main(["kernel-check", "--record", str(record)]) == 0
+    assert capsys.readouterr().out.strip() == NO_CUDA_MESSAGE and not record.exists()
+    out = subprocess.run([sys.executable, "benchmarks/gpu_timings.py"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == gpu_check.NO_CUDA_MESSAGE
+    assert out.stdout.strip() == gpu_timings.NO_CUDA_MESSAGE
+    out = subprocess.run(["make", "-s", "gpu-check", f"PY={sys.executable}", "STAMP="], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("gpu-check: no CUDA device"), out.stdout + out.stderr
 
 
 def test_arguments() -> None:
     args = parse_args([])
     assert args.tokens == 8192 and args.vocab == [32768, 65536, 131072] and args.repeats == 10
-    assert not args.skip_tests and not args.skip_train and args.record is None and not args.no_record
-    args = parse_args(["--tokens", "512", "--vocab", "1000, 2000", "--record", "/tmp/r.json", "--skip-train"])
-    assert args.tokens == 512 and args.vocab == [1000, 2000] and args.record == Path("/tmp/r.json")
-    assert args.skip_train
-    for bad in (["--vocab", "32k"], ["--vocab", "0"], ["--tokens", "0"], ["--record", "x", "--no-record"]):
+    assert not args.skip_train and args.json is None
+    args = parse_args(["--tokens", "512", "--vocab", "1000, 2000", "--skip-train"])
+    assert args.tokens == 512 and args.vocab == [1000, 2000] and args.skip_train
+    for bad in (["--vocab", "32k"], ["--vocab", "0"], ["--tokens", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+    for bad in (["--vocab", "32k"], ["--vocab", ","], ["--tokens", "0"], ["--record", "x", "--no-record"]):
+        with pytest.raises(SystemExit):
+            main(["kernel-check", *bad])
+
+
+@needs_interpreter
+def test_kernel_check_on_cpu_and_the_record_the_selection_reads(tmp_path: Path) -> None:
+    """The kernel check with the kernel interpreted: no problem found; its verdict written as the device's entry,
+    read back by the selection's rule. In the interpreter the kernel is slower than the torch loop: not passed."""
+    pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
+    from twinkle_megatron.ops.kernel_check import check_kernel, record_check
+    from twinkle_megatron.ops.kernel_select import load_record, verification
+
+    check = check_kernel(torch.device("cpu"), tokens=16, vocabs=[300, 700], repeats=1)
+    assert check.problems == [] and check.device == "cpu" and len(check.speedups) == 2
+    assert check.passed is (min(check.speedups) > 1.0)
+    path = tmp_path / "kernel_checks.json"
+    entry = record_check(check, path)
+    assert entry["passed"] is check.passed and entry["vocab"] == [300, 700] and entry["reason"] == check.reason
+    record = load_record(path)
+    assert record["devices"] == {"cpu": entry}
+    assert verification("cpu", record)[0] is check.passed
+    check.kernel_seconds = [seconds / 1e6 for seconds in check.torch_seconds]  # as if on a GPU: 1e6x faster
+    record_check(check, path)
+    assert check.passed and verification("cpu", load_record(path))[0]
+    check.problems.append("V=300 kernel vs float64: entropy max relative error 1e-3 > 1e-05")
+    record_check(check, path)
+    assert not check.passed and "1 correctness problems" in load_record(path)["devices"]["cpu"]["reason"]
+    assert not verification("cpu", load_record(path))[0]
 
 
 def test_bandwidth_arithmetic() -> None:
@@ -70,7 +106,7 @@ def test_bandwidth_arithmetic() -> None:
     assert copy_bandwidth(2**30, 0.5e-3) == 2 * 2**30 / 0.5e-3  # read + write
     # A kernel reading a 2 GiB shard in 0.5 ms against a copy of 1 GiB in 0.5 ms: the same byte rate.
     assert effective_bandwidth(2 * 2**30, 0.5e-3) / copy_bandwidth(2**30, 0.5e-3) == 1.0
-    assert gpu_check.gbs(4.8e12) == "4,800 GB/s"
+    assert gpu_timings.gbs(4.8e12) == "4,800 GB/s"
     assert goal_status(0.81, 0.8) == "ok" and goal_status(0.79, 0.8) == "below goal"
     assert goal_status(0.004, 0.01, higher_is_better=False) == "ok"
     assert goal_status(math.nan, 0.8) == "below goal"
@@ -90,17 +126,6 @@ def test_table_and_exit_status() -> None:
     assert lines[4].rstrip().endswith("FAIL")
     assert "FAIL correctness: kernel vs torch path" in table and "  argmax differs at [3]" in table
     assert exit_code(rows) == 1 and exit_code(rows[:2]) == 0
-
-
-def test_record_verdict() -> None:
-    ok = [Row("correctness", "a", "equal", status="ok"), Row("bandwidth", "b", "x", status="below goal")]
-    assert record_verdict(ok, [3.5, 1.2]) == (True, "all correctness checks passed; min speed-up over the torch "
-                                                    "path 1.20x")
-    passed, why = record_verdict(ok, [3.5, 0.9])
-    assert not passed and "slower than the torch path" in why
-    passed, why = record_verdict(ok + [Row("correctness", "metrics", "1 problem", status="FAIL")], [4.0])
-    assert not passed and "correctness: metrics" in why
-    assert record_verdict(ok, [])[0] is False
 
 
 def test_summary_of_a_real_tracker_log(tmp_path: Path) -> None:
@@ -172,22 +197,19 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
 
 
 def _sections_worker() -> list:
-    """gpu-check's sections on a CPU rank at tiny sizes: the same code paths, perf_counter timing."""
+    """The timings' sections on a CPU rank at tiny sizes: the same code paths, perf_counter timing."""
     from kit.cuda_shim import cpu_cuda_shim
     from megatron.core import parallel_state
     from step_overhead import StepSpec
 
     device = torch.device("cpu")
     group = parallel_state.get_tensor_model_parallel_group()
-    rows = gpu_check.section_ops_cases(device)
-    rows += gpu_check.section_kernel_vs_torch(device, tokens=16, vocabs=[300])
-    rows += gpu_check.section_metrics(device)
-    rows += gpu_check.section_fused_loss(device, tokens=64, vocab=512)
-    bandwidth_rows, facts = gpu_check.section_bandwidth(device, 8, [256], repeats=1, group=group, copy_bytes=1 << 20)
+    rows = gpu_timings.section_fused_loss(device, tokens=64, vocab=512)
+    bandwidth_rows, facts = gpu_timings.section_bandwidth(device, 8, [256], repeats=1, group=group, copy_bytes=1 << 20)
     rows += bandwidth_rows
-    rows += gpu_check.section_sweep(device, 4, 256, repeats=1, copy_bw=facts["copy_bandwidth"])[0]
+    rows += gpu_timings.section_sweep(device, 4, 256, repeats=1, copy_bw=facts["copy_bandwidth"])[0]
     with cpu_cuda_shim():
-        rows += gpu_check.section_step_overhead(device, StepSpec(
+        rows += gpu_timings.section_step_overhead(device, StepSpec(
             hidden_size=32, layers=1, heads=4, seq_length=8, micro_batch_size=1, microbatches=2, vocab_size=60,
             steps_per_block=1, rounds=1, warmup=0, te=False))
     return [rows, facts]
@@ -195,8 +217,8 @@ def _sections_worker() -> list:
 
 @needs_interpreter
 def test_gpu_sections_dry_run_on_cpu() -> None:
-    """Every section but the pytest and torchrun subprocesses, on CPU (the kernel interpreted): the checks
-    pass, the peer code runs, every launch configuration of the sweep agrees, and the table prints."""
+    """Every section but the torchrun subprocess, on CPU (the kernel interpreted): the fused loss and the peer
+    code run, every launch configuration of the sweep is timed, the step's metrics are finite, the table prints."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
     from kit.distributed import Layout, run_distributed
@@ -205,11 +227,11 @@ def test_gpu_sections_dry_run_on_cpu() -> None:
     failed = [r for r in rows if r.status == "FAIL"]
     assert not failed, format_table(failed)
     checks = [r.check for r in rows]
-    assert sum(c.startswith("ops test cases on CUDA") for c in checks) == 2
+    assert sum(c.startswith("forward + backward") for c in checks) == 2
     assert any(c.startswith("peer code 8x256") for c in checks) and not any(r.status == "skipped" for r in rows)
     from twinkle_megatron.ops.triton_token_stats import launch_config
 
-    configs = set(gpu_check.SWEEP) | {launch_config(256, 2)}
+    configs = set(gpu_timings.SWEEP) | {launch_config(256, 2)}
     assert sum(c.startswith("local pass block=") for c in checks) == len(configs)
     assert len(facts["speedups"]) == 1 and facts["speedups"][0] > 0 and facts["copy_bandwidth"] > 0
     assert sum(r.section == "correctness" and r.check.startswith("metrics of the instrumented") for r in rows) == 3

@@ -173,7 +173,7 @@ def test_the_loss_chart_marks_incidents(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from twinkle_megatron.plot_incidents import mark_incidents
+    from twinkle_megatron.plots import mark_incidents
 
     _incident_run(tmp_path)
     axes = Figure().add_subplot()

@@ -2,7 +2,7 @@
 
 These run without Triton and without a GPU: the rule is a function of the
 request (keyword, environment variable), the tensor's device and dtype, and the
-record file that ``benchmarks/gpu_check.py`` writes.
+record file that ``twinkle-megatron kernel-check`` writes.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def test_record_path_default_and_override(monkeypatch, tmp_path: Path) -> None:
 def test_shipped_record_is_a_record() -> None:
     record = load_record(DEFAULT_RECORD)
     assert record["format"] == 1 and isinstance(record["devices"], dict)
-    # Empty as shipped: no GPU has run `make gpu-check` for this project yet, so kernel="auto" keeps the
-    # torch path on every device. An entry gpu-check adds must carry its evidence:
+    # Empty as shipped: no GPU has run `twinkle-megatron kernel-check` for this project yet, so kernel="auto" keeps the
+    # torch path on every device. An entry the check adds must carry its evidence:
     for name, entry in record["devices"].items():
         assert isinstance(name, str) and {"passed", "kernel_sha256", "triton"} <= set(entry)
 

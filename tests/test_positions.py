@@ -27,6 +27,7 @@ from kit.megatron_gpt import (
 from kit.references import full_vocab_stats
 
 from twinkle_megatron import Accuracy, DPOMetric, LossMetric, MetricCollection, TokenStatsMetric
+from twinkle_megatron.keys import parse_position_bucket_key, position_bucket_key
 from twinkle_megatron.megatron import instrument
 
 ROWS, SEQ, VOCAB, PADDED = 8, 16, 40, 48
@@ -286,11 +287,25 @@ def test_plot_draws_the_loss_by_position_and_keeps_buckets_off_the_dataset_panel
     import json
 
     from twinkle_megatron.logging.runlog import load_run
-    from twinkle_megatron.plots import plot_run
+    from twinkle_megatron.plots import dataset_panels, plot_run
+    from twinkle_megatron.plots.positions import position_keys
 
+    # The bucket names the metric writes (out of order in the log, one past 1000), beside a dataset's keys.
+    names = LossMetric(position_buckets=[0, 512, 1024, 4096]).position_buckets.labels
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": step, "loss": 2.0, "loss/pos_0-511": 2.0 - step / 100,
-                                        "loss/pos_512-1023": 3.0 - step / 50}) + "\n" for step in range(1, 11)))
-    written, skipped = plot_run(load_run(str(path)), str(tmp_path / "plots"))
-    names = {name.rsplit("/", 1)[-1] for name in written}
-    assert "positions.png" in names and "datasets.png" not in names
+    path.write_text("".join(json.dumps({"step": step, "loss": 2.0, f"loss/{names[2]}": 1.0, f"loss/{names[0]}": 2.0,
+                                        f"loss/{names[1]}": 3.0 - step / 50, "loss/web": 2.5,
+                                        "loss/pos_sim": 2.5}) + "\n" for step in range(1, 11)))
+    log = load_run(str(path))
+    assert position_keys(log) == [(0, 512, "loss/pos_0-511"), (512, 1024, "loss/pos_512-1023"),
+                                  (1024, 4096, "loss/pos_1024-4095")]
+    assert set(dataset_panels(log)[0].keys) == {"loss/web", "loss/pos_sim"}
+    written, skipped = plot_run(log, str(tmp_path / "plots"))
+    assert {"positions.png", "datasets.png"} <= {name.rsplit("/", 1)[-1] for name in written}
+
+
+def test_the_bucket_name_is_read_back_by_its_one_parser():
+    for first, end in [(0, 1), (0, 512), (512, 1024), (7, 4096)]:
+        assert parse_position_bucket_key(position_bucket_key(first, end)) == (first, end)
+    for other in ("web", "pos_sim", "pos_0-", "pos_a-b", "xpos_0-1", "pos_0-1/web", "loss/pos_0-1"):
+        assert parse_position_bucket_key(other) is None

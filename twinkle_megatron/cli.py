@@ -1,10 +1,12 @@
-"""``twinkle-megatron``: look at a run from its JSONL log (``plot``, ``summary``, ``incidents``).
+"""``twinkle-megatron``: look at a run from its JSONL log (``plot``, ``summary``, ``incidents``), and check the
+Triton kernel on this GPU (``kernel-check``).
 
 ::
 
     twinkle-megatron summary runs/demo/metrics.jsonl       # first/last/min/max/mean of every key
     twinkle-megatron plot runs/demo/metrics.jsonl -o runs/demo/plots
     twinkle-megatron incidents runs/demo                   # loss spikes: their samples and layers
+    twinkle-megatron kernel-check                          # the record that lets kernel="auto" use the kernel
 
 A run directory works too (its ``metrics.jsonl`` is read). The log is read
 strictly: a missing or empty file, a line that is not JSON or a record without
@@ -30,7 +32,7 @@ import argparse
 import math
 import os
 import sys
-from typing import NoReturn, Optional, Sequence, TextIO
+from typing import Any, NoReturn, Optional, Sequence, TextIO
 
 from . import keys
 from .logging.rank_hosts import read_rank_hosts
@@ -39,6 +41,8 @@ from .version import __version__
 
 PROG = "twinkle-megatron"
 MATPLOTLIB_HINT = ("pip install matplotlib (from a checkout of twinkle-megatron: pip install -e '.[plot]')")
+NO_CUDA_MESSAGE = ("kernel-check: no CUDA device (torch.cuda.is_available() is False): nothing was checked or "
+                   "recorded; on CPU the kernel is tested under Triton's interpreter by `make kernel-test`")
 
 
 
@@ -113,38 +117,73 @@ def _number(value: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``twinkle-megatron`` argument parser (subcommands ``plot`` and ``summary``)."""
+    """The ``twinkle-megatron`` argument parser (subcommands ``plot``, ``summary``, ``incidents``, ``kernel-check``)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Charts and summaries of a twinkle-megatron run from its JSONL log "
-                               "(LOG_DIR/RUN_NAME/metrics.jsonl).")
+                               "(LOG_DIR/RUN_NAME/metrics.jsonl); the Triton kernel's device check.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    plot = commands.add_parser(
-        "plot", help="write PNG charts of a run",
-        description="Write PNG charts of a run: overview.png (every panel) and one file per panel "
-                    "(loss, accuracy, token statistics, throughput, MFU, memory, step time with the "
-                    "straggler band, optimizer). Panels whose keys the log lacks are skipped.")
-    plot.add_argument("run", metavar="RUN.jsonl", help="the run log (or its run directory)")
+    plot = _command(commands, "plot", "write PNG charts of a run",
+                    "Write PNG charts of a run: overview.png (every panel) and one file per panel (loss, accuracy, "
+                    "token statistics, throughput, MFU, memory, step time with the straggler band, optimizer). "
+                    "Panels whose keys the log lacks are skipped.")
     plot.add_argument("-o", "--output", metavar="DIR", default=None,
                       help="where the PNGs go (default: a 'plots' directory next to the log)")
     plot.add_argument("--keys", nargs="+", metavar="KEY", default=(),
                       help="more keys to chart, one panel each, e.g. metrics of your own collection "
                            "(default: none)")
-    summary = commands.add_parser(
-        "summary", help="print a table of a run's metrics",
-        description="Print the number of records, the step range, and the count, first, last, min, max "
-                    "and mean of every key of a run log.")
-    summary.add_argument("run", metavar="RUN.jsonl", help="the run log (or its run directory)")
-    incidents = commands.add_parser(
-        "incidents", help="print a run's incidents (loss spikes, non-finite values)",
-        description="Print each incident of a run (RUN_DIR/incidents.jsonl): why the step was flagged, its "
-                    "highest-loss samples with their index and dataset, the per-dataset losses and the layers "
-                    "with the largest gradient norms.")
-    incidents.add_argument("run", metavar="LOG", help="the run's incidents.jsonl, metrics.jsonl or run directory")
+    _command(commands, "summary", "print a table of a run's metrics",
+             "Print the number of records, the step range, and the count, first, last, min, max and mean of "
+             "every key of a run log.")
+    incidents = _command(
+        commands, "incidents", "print a run's incidents (loss spikes, non-finite values)",
+        "Print each incident of a run (RUN_DIR/incidents.jsonl): why the step was flagged, its highest-loss samples "
+        "with their index and dataset, the per-dataset losses and the layers with the largest gradient norms.",
+        run=("LOG", "the run's incidents.jsonl, metrics.jsonl or run directory"))
     incidents.add_argument("--skip-list", type=int, default=0, metavar="N",
                            help="print only the sample indices of each incident's N highest-loss samples, one a "
                                 "line: a skip list for examples/train_gpt.py --skip-samples")
+    kernel_check = _command(
+        commands, "kernel-check", "check the Triton kernel on this CUDA device and record the result",
+        "On this CUDA device: the Triton token-statistics kernel against the torch loop and float64 (argmax, "
+        "log-probs, entropy on bf16 logits with padding, ties, NaN/inf rows, odd labels) and the time of each, per "
+        "vocabulary size; then this device's entry in the record that lets kernel='auto' use the kernel "
+        "(twinkle_megatron/ops/kernel_check.py). Exit status 1 when the check did not pass; without CUDA it says so "
+        "and exits 0.", run=None)
+    kernel_check.add_argument("--tokens", type=_positive_int, default=8192, help="tokens per check (default: 8192)")
+    kernel_check.add_argument("--vocab", type=_positive_ints, default=[32768, 65536, 131072], metavar="V,V,...",
+                              help="local vocabulary sizes, bf16 (default: 32768,65536,131072)")
+    kernel_check.add_argument("--repeats", type=_positive_int, default=10, help="timed calls per path (default: 10)")
+    record = kernel_check.add_mutually_exclusive_group()
+    record.add_argument("--record", metavar="PATH", default=None,
+                        help="the record to update (default: $TWINKLE_MEGATRON_KERNEL_RECORD, else the package's "
+                             "ops/kernel_checks.json)")
+    record.add_argument("--no-record", action="store_true", help="check only, write nothing")
     return parser
+
+
+def _command(commands: Any, name: str, help_text: str, description: str,
+             run: Optional[tuple[str, str]] = ("RUN.jsonl", "the run log (or its run directory)")
+             ) -> argparse.ArgumentParser:
+    """A subcommand; with ``run`` (metavar, help), its one positional argument, the run it reads."""
+    parser = commands.add_parser(name, help=help_text, description=description)
+    if run is not None:
+        parser.add_argument("run", metavar=run[0], help=run[1])
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = [value for value in text.split(",") if value.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return [_positive_int(value) for value in values]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -153,6 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "incidents":
         return _incidents(args)
+    if args.command == "kernel-check":
+        return _kernel_check(args)
     try:
         log = load_run(args.run)
     except RunLogError as error:
@@ -198,6 +239,33 @@ def _incidents(args: argparse.Namespace) -> int:
     if not found:
         return _print(f"no incidents in {args.run}", sys.stdout)
     return _print("\n\n".join(describe_incident(incident) for incident in found), sys.stdout)
+
+
+def _kernel_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from .ops.kernel_check import check_kernel, record_check
+    from .ops.kernel_select import record_path, triton_installed
+
+    if not torch.cuda.is_available():
+        return _print(NO_CUDA_MESSAGE, sys.stdout)
+    if not triton_installed():
+        _fail("the kernel check needs Triton (pip install --no-deps triton)", 1)
+    device = torch.device("cuda", torch.cuda.current_device())
+    check = check_kernel(device, args.tokens, args.vocab, args.repeats)
+    lines = [f"kernel check on {check.device!r}, {check.tokens} tokens x V bf16:"]
+    lines += [f"  V={vocab}: kernel {kernel * 1e3:.3f} ms, torch path {loop * 1e3:.3f} ms ({speedup:.1f}x)"
+              for vocab, kernel, loop, speedup in zip(check.vocabs, check.kernel_seconds, check.torch_seconds,
+                                                      check.speedups)]
+    lines += [f"  {problem}" for problem in check.problems]
+    lines.append(f"{'PASSED' if check.passed else 'NOT PASSED'}: {check.reason}")
+    if not args.no_record:
+        path = args.record or record_path()
+        record_check(check, path)
+        use = "uses the kernel" if check.passed else "keeps the torch path"
+        lines.append(f"wrote {path}: kernel='auto' {use} on {check.device!r}; commit the file to share the result")
+    _print("\n".join(lines), sys.stdout)
+    return 0 if check.passed else 1
 
 
 def _fail(message: str, status: int) -> NoReturn:

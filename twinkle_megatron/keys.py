@@ -15,6 +15,9 @@ docs/tracker.md's key table is checked against :data:`TRACKER_KEYS` by the tests
 
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 # Twinkle's names (LossMetric, TrainMetric).
 LOSS = "loss"
 GRAD_NORM = "grad_norm"
@@ -193,3 +196,21 @@ def layer_grad_norm_key(part: str) -> str:
 def layer_param_norm_key(part: str) -> str:
     """``param_norm/{part}``, as :func:`layer_grad_norm_key`."""
     return PARAM_NORM_PREFIX + part
+
+
+# Position buckets (``position_buckets=``, metric/positions.py): each key of a token-level metric is also reported
+# per bucket of token positions, ``key/pos_<first>-<last>`` (``loss/pos_0-511``).
+_POSITION_BUCKET = re.compile(r"pos_(\d+)-(\d+)")
+
+
+def position_bucket_key(first: int, end: int) -> str:
+    """``pos_{first}-{end - 1}``: the name of the bucket of positions ``first <= p < end`` (the last position is
+    inclusive in the name), the last part of its keys (``loss/pos_0-511``)."""
+    return f"pos_{first}-{end - 1}"
+
+
+def parse_position_bucket_key(name: str) -> Optional[tuple[int, int]]:
+    """``(first, end)`` of a bucket name made by :func:`position_bucket_key` (``pos_0-511`` -> ``(0, 512)``);
+    None for any other name (a dataset's ``web``, ``pos_sim``)."""
+    match = _POSITION_BUCKET.fullmatch(name)
+    return (int(match.group(1)), int(match.group(2)) + 1) if match else None

@@ -9,7 +9,7 @@ for bit across ranks, with ``kit.references.full_vocab_stats``: argmax exact,
 log-probs and entropy within ``|ours − ref| <= tol + tol·|ref|`` (``tol`` 1e-5,
 1e-9 for float64 input; bf16/fp16 values are exact in float64, so they get the
 same tolerance). Used by ``tests/test_ops.py``, ``tests/test_triton_token_stats.py``
-and ``benchmarks/gpu_check.py``.
+and ``tests/test_cuda.py``.
 """
 
 from __future__ import annotations

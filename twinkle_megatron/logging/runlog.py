@@ -1,6 +1,6 @@
 """The run log as people read it: a tracker's JSONL log, strict about what it reads.
 
-Used by ``twinkle-megatron summary`` / ``plot`` (``cli.py``, ``plots.py``). A
+Used by ``twinkle-megatron summary`` / ``plot`` (``cli.py``, ``plots/``). A
 missing or empty file, a line that is not JSON or a record without ``"step"``
 is a :class:`RunLogError` naming the line, because a chart of half a log looks
 right and is wrong; the one exception is a half-written *last* line (the run

@@ -31,13 +31,13 @@ import shutil
 import warnings
 from typing import Any, Mapping, Optional
 
-from .base import ExperimentBackend, RunStart
-from .run_ids import recall_run_id, remember_run_id
+from .base import RunStart
+from .run_backends import ResumableRunBackend
 
 LOCAL_MODES = ("offline", "local")
 
 
-class SwanLabBackend(ExperimentBackend):
+class SwanLabBackend(ResumableRunBackend):
     """Logs to a SwanLab experiment (see the module docstring for which one)."""
 
     name = "swanlab"
@@ -47,43 +47,40 @@ class SwanLabBackend(ExperimentBackend):
     def __init__(self, project: Optional[str] = None, experiment_name: Optional[str] = None,
                  run_id: Optional[str] = None, config: Optional[Mapping[str, Any]] = None,
                  mode: Optional[str] = None, log_dir: Optional[str] = None, **init_kwargs: Any) -> None:
-        super().__init__(config)
+        super().__init__(config, run_id)
         self.project = project
         self.experiment_name = experiment_name
-        self.run_id = run_id
         self.mode = mode
         self.log_dir = log_dir
         self.init_kwargs = init_kwargs
-        self.last_run_id: Optional[str] = None  # the run this backend opened last (a restart in-process continues it)
 
-    def open(self, run: RunStart) -> None:
+    def user_run(self) -> Optional[Any]:
         import swanlab
 
-        config = {**run.config, **self.config}
-        if swanlab.has_run():  # the user's run: log into it, never finish it
-            self.adopt(swanlab.get_run())
-            self.run.config.update(config)
-            return
+        return swanlab.get_run() if swanlab.has_run() else None
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        self.run.config.update(config)
+
+    def open_own_run(self, run: RunStart, config: dict[str, Any], previous: Optional[str]) -> None:
+        import swanlab
+
         mode = self.mode or os.environ.get("SWANLAB_MODE")
         log_dir = self.log_dir or (os.path.join(run.log_dir, "swanlog") if run.log_dir else None)
-        run_id = (self.last_run_id if run.restart else None) or self.run_id or \
-            (recall_run_id(run.log_dir, self.name) if run.continues else None)
         options: dict[str, Any] = {"project": self.project, "experiment_name": self.experiment_name,
                                    "config": config, "mode": mode, "log_dir": log_dir, **self.init_kwargs}
         replay: dict[int, dict[str, float]] = {}
-        if run_id is not None:
-            options.update(id=run_id, resume="allow")
+        if previous is not None:
+            options.update(id=previous, resume="allow")
             if mode in LOCAL_MODES and log_dir is not None:
-                replay = supersede_local_runs(log_dir, run_id, run.first_step)
+                replay = supersede_local_runs(log_dir, previous, run.first_step)
             elif run.continues:
                 warnings.warn("SwanLab cloud runs cannot be rewound: the points SwanLab holds at step "
                               f"{run.first_step} or later stay and the resumed run's values of those steps are "
-                              "dropped by SwanLab", RuntimeWarning, stacklevel=2)
+                              "dropped by SwanLab", RuntimeWarning, stacklevel=3)
         self.start(swanlab.init(**{key: value for key, value in options.items() if value is not None}))
         for step in sorted(replay):
             self.run.log(replay[step], step=step)
-        self.last_run_id = self.run.id
-        remember_run_id(run.log_dir, self.name, self.run.id)
 
     def finish_failed(self) -> None:
         self.run.finish(state="crashed", error="twinkle-megatron: the SwanLab backend failed")

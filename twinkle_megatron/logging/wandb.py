@@ -45,14 +45,14 @@ import warnings
 from typing import Any, Iterator, Mapping, Optional
 
 from . import wandb_history
-from .base import ExperimentBackend, RunStart
-from .run_ids import recall_run_id, remember_run_id
+from .base import RunStart
+from .run_backends import ResumableRunBackend
 
 SUPERSEDED_TAG = "superseded"
 OFFLINE_MODES = ("offline", "dryrun")
 
 
-class WandbBackend(ExperimentBackend):
+class WandbBackend(ResumableRunBackend):
     """Logs to a W&B run (see the module docstring for which one, and for ``rewind``).
 
     Args:
@@ -67,26 +67,27 @@ class WandbBackend(ExperimentBackend):
     def __init__(self, project: Optional[str] = None, name: Optional[str] = None, run_id: Optional[str] = None,
                  config: Optional[Mapping[str, Any]] = None, directory: Optional[str] = None,
                  rewind: Optional[bool] = None, **init_kwargs: Any) -> None:
-        super().__init__(config)
+        super().__init__(config, run_id)
         self.project = project or os.environ.get("WANDB_PROJECT", "twinkle-megatron")
         self.run_name = name
-        self.run_id = run_id
         self.directory = directory
         self.rewind = rewind
         self.init_kwargs = init_kwargs
-        self.last_run_id: Optional[str] = None  # the run this backend opened last (a restart in-process continues it)
 
-    def open(self, run: RunStart) -> None:
+    def given_run_id(self) -> Optional[str]:
+        return self.run_id or os.environ.get("WANDB_RUN_ID")
+
+    def user_run(self) -> Optional[Any]:
         import wandb
 
-        config = {**run.config, **self.config}
-        if wandb.run is not None:  # the user's run: log into it, never finish it
-            self.adopt(wandb.run)
-            self.run.config.update(config, allow_val_change=True)
-            return
-        explicit = self.run_id or os.environ.get("WANDB_RUN_ID")
-        previous = (self.last_run_id if run.restart else None) or explicit or \
-            (recall_run_id(run.log_dir, self.name) if run.continues else None)
+        return wandb.run
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        self.run.config.update(config, allow_val_change=True)
+
+    def open_own_run(self, run: RunStart, config: dict[str, Any], previous: Optional[str]) -> None:
+        import wandb
+
         options: dict[str, Any] = {"project": self.project, "name": self.run_name, "config": config,
                                    "dir": self.directory, **self.init_kwargs}
         if options.get("dir"):
@@ -97,8 +98,6 @@ class WandbBackend(ExperimentBackend):
             if previous is not None:
                 options.update(id=previous, resume="allow")
             self.start(_init(wandb, options))
-        self.last_run_id = self.run.id
-        remember_run_id(run.log_dir, self.name, self.run.id)
 
     def finish_failed(self) -> None:
         self.run.finish(exit_code=1)

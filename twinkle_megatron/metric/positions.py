@@ -23,22 +23,22 @@ are mapped back (:func:`.context_parallel.global_positions`); in a packed row
 from __future__ import annotations
 
 import functools
-import re
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from ..keys import position_bucket_key
 from .groups import POSITIONS_SUFFIX, TokenGroups
 
 
 class PositionBuckets(NamedTuple):
-    """Bucket edges ``e_0 < … < e_B`` and the bucket names ``pos_<e_b>-<e_{b+1}−1>``."""
+    """Bucket edges ``e_0 < … < e_B`` and the bucket names ``pos_<e_b>-<e_{b+1}−1>`` (``keys.position_bucket_key``)."""
 
     edges: tuple[int, ...]
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return tuple(_LABEL.format(first=first, last=end - 1) for first, end in zip(self.edges[:-1], self.edges[1:]))
+        return tuple(position_bucket_key(first, end) for first, end in zip(self.edges[:-1], self.edges[1:]))
 
     @property
     def partition(self) -> tuple[str, tuple[str, ...]]:
@@ -54,15 +54,6 @@ class PositionBuckets(NamedTuple):
         ids = (positions[..., None] >= edges[1:-1]).sum(-1)
         valid = (positions >= edges[0]) & (positions < edges[-1])
         return TokenGroups(ids.expand(shape), valid.expand(shape), len(self.edges) - 1, POSITIONS_SUFFIX)
-
-
-_LABEL = "pos_{first}-{last}"
-_LABEL_PATTERN = re.compile(r"pos_\d+-\d+")
-
-
-def is_position_label(name: str) -> bool:
-    """Whether ``name`` (a slice name, ``loss/<name>``'s last part) is a position bucket's: ``pos_<first>-<last>``."""
-    return _LABEL_PATTERN.fullmatch(name) is not None
 
 
 @functools.lru_cache(maxsize=16)

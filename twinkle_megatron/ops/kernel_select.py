@@ -16,13 +16,13 @@ rounding of the sums. The choice, per call:
 
 The record is a JSON file (``kernel_checks.json`` next to this module, or the
 file named by ``TWINKLE_MEGATRON_KERNEL_RECORD``) written by
-``benchmarks/gpu_check.py``::
+``twinkle-megatron kernel-check`` (:mod:`.kernel_check`)::
 
     {"format": 1,
      "devices": {"NVIDIA H200": {"passed": true, "kernel_sha256": "…", "triton": "3.7.1", …}}}
 
 keyed by ``torch.cuda.get_device_name()``. An entry verifies the kernel when
-``passed`` is true (the check's correctness tests passed *and* the kernel was
+``passed`` is true (the kernel agreed with the torch loop and float64 *and* was
 faster than the torch loop at every size measured), ``kernel_sha256`` is the
 SHA-256 of ``triton_token_stats.py`` as installed, and ``triton`` is the
 installed Triton version: editing the kernel or changing Triton falls back to

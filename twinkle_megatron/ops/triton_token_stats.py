@@ -75,7 +75,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Default launch: each thread loads 16 bytes per block (one vector load: 8 bf16 or 4 fp32), 8 warps, so a
 # block is 4 KiB of logits; two pipeline stages keep the next block's load in flight. The registers of this
 # configuration (benchmarks/kernel_resources.py: about 60-80 on sm_90) leave room for several programs per
-# SM. To be confirmed on a GPU: benchmarks/gpu_check.py times a sweep of (block, warps, stages).
+# SM. To be confirmed on a GPU: benchmarks/gpu_timings.py times a sweep of (block, warps, stages).
 _BLOCK_BYTES = 4 << 10
 _BYTES_PER_THREAD = 16
 _MAX_WARPS = 8
@@ -149,7 +149,8 @@ def launch_config(n_cols: int, element_size: int, block: Optional[int] = None, n
     Default: at most ``_BLOCK_BYTES`` (4 KiB) of logits per block, a power of
     two no wider than the row; ``block * element_size / 16`` threads (one
     16-byte load each), as warps, 1 to 8; a two-stage software pipeline.
-    Explicit values override each part (``benchmarks/gpu_check.py`` sweeps them).
+    Explicit values override each part (``benchmarks/gpu_timings.py`` times each, ``tests/test_cuda.py``
+    checks that they agree).
     """
     if block is None:
         block = min(triton.next_power_of_2(max(1, n_cols)), max(16, _BLOCK_BYTES // element_size))

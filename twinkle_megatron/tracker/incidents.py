@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging.jsonl import restore_nonfinite, strict_json
-from ..metric.positions import is_position_label
 from ..metric.sample_losses import SampleLosses
 
 INCIDENTS_FILE = "incidents.jsonl"
@@ -107,8 +106,7 @@ class IncidentReporter:
                 incident[name] = record[key]
         incident["samples"] = self.samples.gather_top() if self.samples is not None else []
         slices = {key[len(keys.LOSS) + 1:]: value for key, value in record.items() if key.startswith(keys.LOSS + "/")}
-        incident["dataset_losses"] = {name: value for name, value in slices.items() if not is_position_label(name)}
-        incident["position_losses"] = {name: value for name, value in slices.items() if is_position_label(name)}
+        incident["dataset_losses"], incident["position_losses"] = split_slices(slices)
         incident["layers"] = largest_layers(record)
         assess(incident)
         if not dist.is_initialized() or dist.get_rank() == self.writer_rank:
@@ -252,11 +250,17 @@ def load_incidents(path: str) -> list[dict[str, Any]]:
             if line.strip():
                 incident = restore_nonfinite(json.loads(line))
                 if "position_losses" not in incident:
-                    slices = incident.get("dataset_losses") or {}
-                    incident["dataset_losses"] = {k: v for k, v in slices.items() if not is_position_label(k)}
-                    incident["position_losses"] = {k: v for k, v in slices.items() if is_position_label(k)}
+                    incident["dataset_losses"], incident["position_losses"] = split_slices(
+                        incident.get("dataset_losses") or {})
                 by_step[int(incident["step"])] = assess(incident)
     return [by_step[step] for step in sorted(by_step)]
+
+
+def split_slices(slices: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``loss/<name>`` values by name, split into (per-dataset, per-position-bucket) values."""
+    datasets = {name: value for name, value in slices.items() if keys.parse_position_bucket_key(name) is None}
+    positions = {name: value for name, value in slices.items() if keys.parse_position_bucket_key(name) is not None}
+    return datasets, positions
 
 
 def read_skip_list(path: str, per_incident: int = 1) -> set[int]:

@@ -4,25 +4,29 @@ Long-context users read it to see whether late positions learn: x is the
 position bucket (in order of its first position), y the loss; one line per
 chosen step (the first, the middle and the last step that logged the buckets),
 so the curve's fall from step to step shows where in the sequence the model
-improves. Drawn on a matplotlib ``Axes`` given by :mod:`.plots`.
+improves. Drawn on a matplotlib ``Axes`` given by :mod:`.run`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import TYPE_CHECKING, Any, List, Tuple
 
-if TYPE_CHECKING:
-    from .logging.runlog import RunLog
+from .. import keys
 
-POSITION_KEY = re.compile(r"^loss/pos_(\d+)-(\d+)$")
+if TYPE_CHECKING:
+    from ..logging.runlog import RunLog
 
 
 def position_keys(log: RunLog) -> List[Tuple[int, int, str]]:
-    """(first, last, key) of every ``loss/pos_<first>-<last>`` key of the log, by first position."""
-    found = [(int(match.group(1)), int(match.group(2)), key) for key in log.keys
-             if (match := POSITION_KEY.match(key))]
+    """(first, end, key) of every ``loss/pos_<first>-<end - 1>`` key of the log, by first position (the bucket
+    name read by :func:`twinkle_megatron.keys.parse_position_bucket_key`, the reader of what the metrics write)."""
+    found = []
+    for key in log.keys:
+        statistic, _, name = key.partition("/")
+        bucket = keys.parse_position_bucket_key(name) if statistic == keys.LOSS else None
+        if bucket is not None:
+            found.append((*bucket, key))
     return sorted(found)
 
 
@@ -39,7 +43,7 @@ def draw_loss_by_position(axes: Any, log: RunLog) -> None:
         axes.plot(range(len(buckets)), values, marker="o", markersize=3, color=f"C{shade}",
                   label=f"step {record['step']}")
     axes.set_xticks(range(len(buckets)))
-    axes.set_xticklabels([f"{first}-{last}" for first, last, _ in buckets], rotation=30 if len(buckets) > 6 else 0)
+    axes.set_xticklabels([f"{first}-{end - 1}" for first, end, _ in buckets], rotation=30 if len(buckets) > 6 else 0)
     axes.set_xlabel("token position in its sequence")
     axes.set_ylabel("loss")
     axes.grid(alpha=0.3)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .tracker.incidents import load_incidents
+from ..tracker.incidents import load_incidents
 
 
 def mark_incidents(axes: Any, log_path: str) -> Optional[Any]:

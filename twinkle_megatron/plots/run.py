@@ -20,12 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
-from . import keys
-from .plot_incidents import mark_incidents
-from .plot_positions import draw_loss_by_position, position_keys
+from .. import keys
+from .incidents import mark_incidents
+from .positions import draw_loss_by_position, position_keys
 
 if TYPE_CHECKING:
-    from .logging.runlog import RunLog
+    from ..logging.runlog import RunLog
 
 MARKERS_UP_TO = 40  # points per series; fewer get markers, so a short run is more than a bare line
 
@@ -357,11 +357,10 @@ def _moe_load_title(log: RunLog) -> str:
 
 # ------------------------------------------------------------------ per dataset (group_names)
 
-_GROUPED = re.compile(r"^(loss|accuracy)/(?!pos_\d+-\d+$)([^/]+)$")  # position buckets have their own panel
-
-
 def _groups(log: RunLog, statistic: str) -> List[str]:
-    return [match.group(2) for key in log.keys if (match := _GROUPED.match(key)) and match.group(1) == statistic]
+    """The datasets of the ``<statistic>/<name>`` keys (a position bucket's ``loss/pos_0-511`` has its own panel)."""
+    names = [key[len(statistic) + 1:] for key in log.keys if key.startswith(statistic + "/")]
+    return [name for name in names if name and "/" not in name and keys.parse_position_bucket_key(name) is None]
 
 
 def _draw_datasets(axes: Any, log: RunLog) -> None:
@@ -381,7 +380,7 @@ def _draw_datasets(axes: Any, log: RunLog) -> None:
 
 def dataset_panels(log: RunLog) -> List[Panel]:
     """For a log with per-dataset keys (``loss/<name>``, ``accuracy/<name>``): their curves on one panel."""
-    keys_present = tuple(key for key in log.keys if _GROUPED.match(key))
+    keys_present = tuple(f"{stat}/{name}" for stat in (keys.LOSS, "accuracy") for name in _groups(log, stat))
     return [Panel("datasets", "Per dataset", keys_present, _draw_datasets)] if keys_present else []
 
 
