@@ -25,7 +25,10 @@ the wrapped step receives, on its first call with that chunk. With
 ``loss_reports`` (the default without a model), the wrapped ``loss_func`` also
 adds the statistics to its loss report as ``[sum, count]`` entries
 (:mod:`.token_reports`), which Megatron's ``train_step`` pools over DP×CP and
-``training_log`` writes to TensorBoard and W&B.
+``training_log`` writes to TensorBoard and W&B; the mistakes ``calculate()`` would
+raise on (labels outside the vocabulary, group names without group ids) and the
+options those reports cannot carry are then told once on the rank that logs
+(:mod:`.mistakes`).
 
 ``calculate()`` after the schedule is collective: every rank calls it and gets
 the step's results; hook failures are data (:mod:`.hook_failures`).
@@ -233,20 +236,23 @@ class MegatronInstrumentation:
                          f"or sample indices (SampleLosses)")
         if self._lazy:
             step.require(MODEL, forward_step_func, "to attach the hooks to it (instrument() was given no model)")
-        reads_arguments = reads_batches or self._lazy or self._mistakes is not None
-        reads_model = step.takes(MODEL)
+        reads_model = step.takes(MODEL)  # for the schedule's microbatch numbers (mistakes.py)
+        reads_arguments = reads_batches or self._lazy or self._mistakes is not None and reads_model
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
             self._captured, self._group_ids, self._sample_index = None, None, None
+            model = None
             if reads_arguments:
                 arguments = step.bind(args, kwargs)
+                model = arguments.arguments.get(MODEL)
                 if self._lazy:
-                    self._attach_lazily(arguments.arguments.get(MODEL))
-                if self._mistakes is not None:
-                    self._tell_mistakes(arguments.arguments.get(MODEL) if reads_model else None)
+                    self._attach_lazily(model)
+            if self._mistakes is not None:  # before the step's work is queued: a copy started here is done sooner
+                self._tell_mistakes(model)
+            if reads_arguments:
                 iterator = arguments.arguments.get(DATA_ITERATOR)
                 if reads_batches and iterator is not None:
                     arguments.arguments[DATA_ITERATOR] = BatchReader(iterator, self.record_batch)
