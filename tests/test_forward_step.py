@@ -294,7 +294,8 @@ def _pretrain_steps(steps: int = 3) -> dict:
             metrics = instrument(**_options(mistake))
             step = metrics.wrap(megatron_lm_style_step)
             reads = []
-            metrics._mistakes.at_step_start = functools.partial(_counted, reads, metrics._mistakes.at_step_start)
+            counts = metrics._checks.counts
+            counts.at_step_start = functools.partial(_counted, reads, counts.at_step_start)
             told = []
             for index in range(steps):
                 reports = train_forward_backward(chunks, batch, micro_batch_size=2, forward_step_func=step)

@@ -25,10 +25,7 @@ the wrapped step receives, on its first call with that chunk. With
 ``loss_reports`` (the default without a model), the wrapped ``loss_func`` also
 adds the statistics to its loss report as ``[sum, count]`` entries
 (:mod:`.token_reports`), which Megatron's ``train_step`` pools over DP×CP and
-``training_log`` writes to TensorBoard and W&B; the mistakes ``calculate()`` would
-raise on (labels outside the vocabulary, group names without group ids) and the
-options those reports cannot carry are then told once on the rank that logs
-(:mod:`.mistakes`).
+``training_log`` writes to TensorBoard and W&B; mistakes are told where it logs (:mod:`.mistakes`).
 
 ``calculate()`` after the schedule is collective: every rank calls it and gets
 the step's results; hook failures are data (:mod:`.hook_failures`).
@@ -44,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from .. import keys
-from ..metric import Accuracy, LossMetric, Metric, MetricCollection, TokenStatsMetric
+from ..metric import Metric, MetricCollection
 from ..metric.base import Number
 from ..metric.keywords import check_layout_declared
 from ..metric.logits_pass import logits_token_stats
@@ -57,9 +54,9 @@ from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
 from .microbatch_feed import microbatch_feed, per_token_losses
-from .mistakes import MistakeCounts, StepStarts, logs_here
+from .mistakes import LoopChecks
 from .router_hooks import attach_moe_routing, find_routers
-from .token_reports import INVALID_LABELS, UNGROUPED_TOKENS, TokenReports, report_device, with_entries
+from .token_reports import TokenReports, report_device, with_entries
 
 
 class MegatronInstrumentation:
@@ -108,7 +105,6 @@ class MegatronInstrumentation:
                  moe_routing: bool = True, moe_per_layer: bool = False,
                  loss_reports: Optional[bool] = None, position_buckets: Any = None,
                  seq_length: Optional[int] = None, fused_loss: bool = False) -> None:
-        metrics_given = metrics is not None
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names, position_buckets, seq_length)
         self._failures = HookFailures()
@@ -131,12 +127,7 @@ class MegatronInstrumentation:
         # Without a model, Megatron's own loop (pretrain()) is the one that logs: the statistics ride in its reports.
         self.reports = TokenReports(ignore_index, names, loss_key) \
             if (model is None if loss_reports is None else loss_reports) else None
-        # Megatron's loop never calls calculate(): mistakes it would hide are told once where it logs (mistakes.py).
-        self._mistakes = MistakeCounts(self._mistake_messages(names)) if self.reports is not None else None
-        self._unserved = self._unserved_options(user_metrics, metrics_given) \
-            if self.reports is not None and model is None else []
-        self._step_starts = StepStarts()
-        self._logs_here: Optional[bool] = None  # known at the first wrapped call (torch.distributed started)
+        self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key, user_metrics, model)
         self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
         self._by_position = any(getattr(m, "position_buckets", None) is not None for m in user_metrics)
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
@@ -236,23 +227,19 @@ class MegatronInstrumentation:
                          f"or sample indices (SampleLosses)")
         if self._lazy:
             step.require(MODEL, forward_step_func, "to attach the hooks to it (instrument() was given no model)")
-        reads_model = step.takes(MODEL)  # for the schedule's microbatch numbers (mistakes.py)
-        reads_arguments = reads_batches or self._lazy or self._mistakes is not None and reads_model
+        reads_arguments = reads_batches or self._lazy or self._checks is not None and step.takes(MODEL)
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
             self._captured, self._group_ids, self._sample_index = None, None, None
-            model = None
+            arguments = step.bind(args, kwargs) if reads_arguments else None
+            if self._checks is not None:  # mistakes told where Megatron logs; before the step's work is queued
+                self._checks.at_call(arguments.arguments.get(MODEL) if arguments is not None else None)
             if reads_arguments:
-                arguments = step.bind(args, kwargs)
-                model = arguments.arguments.get(MODEL)
                 if self._lazy:
-                    self._attach_lazily(model)
-            if self._mistakes is not None:  # before the step's work is queued: a copy started here is done sooner
-                self._tell_mistakes(model)
-            if reads_arguments:
+                    self._attach_lazily(arguments.arguments.get(MODEL))
                 iterator = arguments.arguments.get(DATA_ITERATOR)
                 if reads_batches and iterator is not None:
                     arguments.arguments[DATA_ITERATOR] = BatchReader(iterator, self.record_batch)
@@ -300,50 +287,6 @@ class MegatronInstrumentation:
 
         return wrapped
 
-    # ------------------------------------------------- mistakes in Megatron's loop
-
-    def _mistake_messages(self, group_names: Sequence[str]) -> dict:
-        """The warning of each data mistake the reports count (:mod:`.mistakes`), as a function of its count."""
-        vocabulary = f"vocab_size={self.vocab_size}" if self.vocab_size is not None \
-            else "no vocab_size: the logits' width"
-        messages = {INVALID_LABELS: lambda count: (
-            f"twinkle-megatron: {count} label token(s) of the loss mask on this rank lie outside the vocabulary "
-            f"({vocabulary}); they are left out of accuracy, logprob and entropy in Megatron's log. Pass "
-            f"instrument(vocab_size=...) the tokenizer's true vocabulary size.")}
-        if group_names:
-            messages[UNGROUPED_TOKENS] = lambda count: (
-                f"twinkle-megatron: {count} token(s) of the loss mask on this rank had no group id among "
-                f"group_names={tuple(group_names)!r}: their batches carry no {self.group_key!r} (or ids outside "
-                f"0..{len(group_names) - 1}) and forward_step did not call record_group_ids(); they are in no "
-                f"per-dataset key (accuracy/<name>, lm loss/<name>, ...), which read [0, 0] without them.")
-        return messages
-
-    @staticmethod
-    def _unserved_options(user_metrics: Sequence[Metric], metrics_given: bool) -> list[str]:
-        """What instrument() was asked for that Megatron's loss reports cannot carry (they hold the default
-        metrics' token keys, per group): known without data."""
-        unserved = []
-        if any(getattr(m, "position_buckets", None) is not None for m in user_metrics):
-            unserved.append("position_buckets= (the per-position keys)")
-        reported = (Accuracy, TokenStatsMetric, LossMetric)
-        others = sorted({type(m).__name__ for m in user_metrics if not isinstance(m, reported)})
-        if metrics_given and others:
-            unserved.append(f"metrics={others} (their keys)")
-        return unserved
-
-    def _tell_mistakes(self, model: Any) -> None:
-        """At a wrapped call, on the rank that logs: the options it cannot serve (first call), the data mistakes
-        counted so far (at step starts)."""
-        if self._logs_here is None:
-            self._logs_here = logs_here()
-            if self._logs_here and self._unserved:
-                warnings.warn(f"twinkle-megatron: Megatron's loss reports cannot carry {' and '.join(self._unserved)}:"
-                              f" they exist only in metrics.calculate(), which Megatron's own loop (pretrain(), "
-                              f"instrument() without a model) never calls. Call it on every rank yourself, or "
-                              f"leave them out.", RuntimeWarning, stacklevel=3)
-        if self._logs_here and self._step_starts(model):
-            self._mistakes.at_step_start()
-
     def _warn_failures(self) -> None:
         first = self._failures.first_failure()
         if first is not None and not self._failure_warned:
@@ -368,10 +311,8 @@ class MegatronInstrumentation:
         entries = None
         if self.reports is not None:
             groups = self.reports.groups(group_ids, labels, self.context)
-            report = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
-            entries = report.entries
-            if self._logs_here:
-                self._mistakes.add(report.mistakes)
+            entries, mistakes = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
+            self._checks.add(mistakes)
         more = {"packed_seq_params": captured.get("packed_seq_params")}  # THD: sub-sequences
         if self._samples is not None:
             more[self._samples.index_key] = sample_index

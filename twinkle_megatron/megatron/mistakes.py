@@ -32,10 +32,13 @@ the warning comes at the start of the step after the one that showed the mistake
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from ..metric import Accuracy, LossMetric, Metric, TokenStatsMetric
+from .token_reports import INVALID_LABELS, UNGROUPED_TOKENS
 
 
 def logs_here() -> bool:
@@ -125,3 +128,65 @@ def _host_copy(counts: torch.Tensor) -> tuple[torch.Tensor, Any]:
     event = torch.cuda.Event()
     event.record()
     return host, event
+
+
+class LoopChecks:
+    """The checks of one ``instrument()`` whose statistics ride in Megatron's loss reports (see the module
+    docstring): the options the reports cannot carry, told at the first wrapped call; the data mistakes, counted
+    per microbatch and told at step starts; both only on the rank that logs."""
+
+    def __init__(self, vocab_size: Optional[int], group_names: Sequence[str], group_key: str,
+                 metrics: Sequence[Metric], model: Any = None) -> None:
+        self.counts = MistakeCounts(mistake_messages(vocab_size, group_names, group_key))
+        # With a model given the user owns the loop and calls calculate(): every option is served there.
+        self.unserved = [] if model is not None else unserved_options(metrics)
+        self.step_starts = StepStarts()
+        self.logs_here: Optional[bool] = None  # known at the first wrapped call (torch.distributed started)
+
+    def at_call(self, model: Any) -> None:
+        """At each wrapped ``forward_step`` call (``model``: the chunk it was given, or None)."""
+        if self.logs_here is None:
+            self.logs_here = logs_here()
+            if self.logs_here and self.unserved:
+                warnings.warn(f"twinkle-megatron: Megatron's loss reports cannot carry {' and '.join(self.unserved)}: "
+                              f"they exist only in metrics.calculate(), which Megatron's own loop (pretrain(), "
+                              f"instrument() without a model) never calls. Call it on every rank yourself, or "
+                              f"leave them out.", RuntimeWarning, stacklevel=3)
+        if self.logs_here and self.step_starts(model):
+            self.counts.at_step_start()
+
+    def add(self, mistakes: Mapping[str, torch.Tensor]) -> None:
+        """One microbatch's mistake counts (device tensors), kept on the rank that logs only."""
+        if self.logs_here:
+            self.counts.add(mistakes)
+
+
+def mistake_messages(vocab_size: Optional[int], group_names: Sequence[str], group_key: str
+                     ) -> dict[str, Callable[[int], str]]:
+    """The warning of each data mistake the reports count, as a function of its count."""
+    vocabulary = f"vocab_size={vocab_size}" if vocab_size is not None else "no vocab_size: the logits' width"
+    messages = {INVALID_LABELS: lambda count: (
+        f"twinkle-megatron: {count} label token(s) of the loss mask on this rank lie outside the vocabulary "
+        f"({vocabulary}); they are left out of accuracy, logprob and entropy in Megatron's log. Pass "
+        f"instrument(vocab_size=...) the tokenizer's true vocabulary size.")}
+    if group_names:
+        messages[UNGROUPED_TOKENS] = lambda count: (
+            f"twinkle-megatron: {count} token(s) of the loss mask on this rank had no group id among "
+            f"group_names={tuple(group_names)!r}: their batches carry no {group_key!r} (or ids outside "
+            f"0..{len(group_names) - 1}) and forward_step did not call record_group_ids(); they are in no "
+            f"per-dataset key (accuracy/<name>, lm loss/<name>, ...), which read [0, 0] without them.")
+    return messages
+
+
+def unserved_options(metrics: Sequence[Metric]) -> list[str]:
+    """What ``instrument()`` was asked for that Megatron's loss reports cannot carry (they hold the default
+    metrics' token keys, per group), known without data: position buckets, metrics other than the defaults
+    (:class:`Accuracy`, :class:`TokenStatsMetric`, :class:`LossMetric`)."""
+    unserved = []
+    if any(getattr(m, "position_buckets", None) is not None for m in metrics):
+        unserved.append("position_buckets= (the per-position keys)")
+    reported = (Accuracy, TokenStatsMetric, LossMetric)
+    others = sorted({type(m).__name__ for m in metrics if not isinstance(m, reported)})
+    if others:
+        unserved.append(f"metrics={others} (their keys)")
+    return unserved
