@@ -216,3 +216,23 @@ def test_misaligned_arrays_leave_their_sequences_out_and_are_counted(cls, arrays
             values[LONG] = values[LONG][:-1]
     run_calls(filled, calls)
     assert filled.calculate() != want
+
+
+def test_the_value_metric_leaves_sequences_with_misaligned_arrays_out_too():
+    """PPOValueMetric reads the same view: old values one short and returns one long leave their sequences out."""
+    from twinkle_megatron import PPOValueMetric
+
+    d = data()
+    values = d["logps"] + 1.0
+
+    def result(rows: list, old: list, returns: list) -> dict:
+        metric = PPOValueMetric(epsilon=0.1)
+        metric.accumulate({"labels": d["labels"][rows]}, {"values": values[rows]}, old_values=old, returns=returns)
+        return metric.calculate()
+
+    old, returns = ragged(d["old"], d["labels"]), ragged(d["rollout"], d["labels"])
+    old[SHORT], returns[LONG] = old[SHORT][:-1], returns[LONG] + [0.0]
+    got = result(list(range(ROWS)), old, returns)
+    keep = [row for row in range(ROWS) if row not in (SHORT, LONG)]
+    assert got.pop("train/misaligned_arrays") == 2
+    assert got == result(keep, [old[row] for row in keep], [returns[row] for row in keep])
