@@ -116,7 +116,9 @@ class MistakeCounts:
         for kind, count in zip(self.messages, host.tolist()):
             if count > 0 and kind not in self.warned:
                 self.warned.add(kind)
-                warnings.warn(self.messages[kind](int(count)), RuntimeWarning, stacklevel=4)
+                # Attributed to the wrapped forward_step (ours), not to Megatron's schedule that calls it: a filter
+                # of megatron.core's own warnings (examples/train_gpt.py has one) leaves these alone.
+                warnings.warn(self.messages[kind](int(count)), RuntimeWarning, stacklevel=3)
 
 
 def _host_copy(counts: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -151,7 +153,7 @@ class LoopChecks:
                 warnings.warn(f"twinkle-megatron: Megatron's loss reports cannot carry {' and '.join(self.unserved)}: "
                               f"they exist only in metrics.calculate(), which Megatron's own loop (pretrain(), "
                               f"instrument() without a model) never calls. Call it on every rank yourself, or "
-                              f"leave them out.", RuntimeWarning, stacklevel=3)
+                              f"leave them out.", RuntimeWarning, stacklevel=2)  # the wrapped step's line
         if self.logs_here and self.step_starts(model):
             self.counts.at_step_start()
 
