@@ -241,3 +241,107 @@ def test_per_dataset_reports_under_tp_when_only_tp_rank_0_reads_the_batch():
         assert per_rank[0]["calculated"][key] == pytest.approx(want[key], rel=1e-5), key
     for group in GROUPS:
         assert pooled[1][f"lm loss/{group}"] == pytest.approx(want[f"loss/{group}"], rel=1e-5), group
+
+
+# ------------------------------------------------------------------ mistakes told once where Megatron logs
+
+
+def _without_dataset_id() -> dict:
+    return {key: value for key, value in _batch().items() if key != "dataset_id"}
+
+
+def _options(mistake: str) -> dict:
+    from twinkle_megatron import GRPOMetric, LossMetric
+
+    return {"labels outside vocab_size": dict(vocab_size=20),
+            "group_names without dataset_id": dict(vocab_size=TRUE_VOCAB, group_names=GROUPS),
+            "position_buckets": dict(vocab_size=TRUE_VOCAB, position_buckets=[0, 4, 8]),
+            "metrics the reports cannot carry": dict(metrics=[LossMetric(), GRPOMetric()]),
+            "none": dict(vocab_size=TRUE_VOCAB, group_names=GROUPS)}[mistake]
+
+
+MISTAKES = {  # mistake -> what its one warning says (None: no warning)
+    "labels outside vocab_size": "lie outside the vocabulary (vocab_size=20)",
+    "group_names without dataset_id": "batches carry no 'dataset_id'",
+    "position_buckets": "cannot carry position_buckets=",
+    "metrics the reports cannot carry": "cannot carry metrics=['GRPOMetric']",
+    "none": None,
+}
+
+
+def _counted(calls: list, func, *args):
+    calls.append(args)
+    return func(*args)
+
+
+def _pretrain_steps(steps: int = 3) -> dict:
+    """Megatron-LM's pretrain() as its train_step runs, for each mistake: instrument() without a model, the wrapped
+    Megatron-LM-style step (TP rank 0 reads the batch) through megatron-core's schedule with Megatron's DDP and
+    optimizer, the reports pooled the way train_step pools them; nobody calls calculate().
+    Returns the (step, message) of each of our warnings on this rank, per mistake, and how often it read the
+    counts on the host."""
+    import warnings
+
+    import torch.distributed as dist
+    from kit.megatron_training import build_trained_gpt, train_forward_backward
+
+    seen = {}
+    for mistake in MISTAKES:
+        batch = _without_dataset_id() if mistake == "group_names without dataset_id" else _batch()
+        with cpu_cuda_shim(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            chunks, optimizer = build_trained_gpt(SPEC)
+            metrics = instrument(**_options(mistake))
+            step = metrics.wrap(megatron_lm_style_step)
+            reads = []
+            counts = metrics._checks.counts
+            counts.at_step_start = functools.partial(_counted, reads, counts.at_step_start)
+            told = []
+            for index in range(steps):
+                reports = train_forward_backward(chunks, batch, micro_batch_size=2, forward_step_func=step)
+                pool_loss_reports(reports)
+                optimizer.step()
+                told += [(index, str(w.message)) for w in caught if "twinkle-megatron" in str(w.message)
+                         and "twinkle_megatron" in w.filename]  # not megatron.core's: a filter of those keeps ours
+                caught.clear()
+            seen[mistake] = told
+            seen[mistake, "reads per step"] = len(reads) / steps
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "seen": seen, "chunks": len(chunks)}
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=2, pp=2), Layout(pp=2, dp=2, vpp=2)], ids=str)
+def test_mistakes_in_the_pretrain_path_warn_once_on_the_rank_that_logs(layout):
+    per_rank = run_distributed(_pretrain_steps, layout=layout, timeout=TIMEOUT)
+    for rank in per_rank:
+        if rank["rank"] != rank["world"] - 1:
+            assert all(not rank["seen"][mistake] for mistake in MISTAKES), f"rank {rank['rank']}: {rank['seen']}"
+            continue
+        # The counts are read on the host once per model chunk per step (its first microbatch), never per microbatch.
+        assert all(rank["seen"][mistake, "reads per step"] == rank["chunks"] for mistake in MISTAKES), rank["seen"]
+        for mistake, expected in MISTAKES.items():
+            told = rank["seen"][mistake]
+            if expected is None:
+                assert told == [], told
+                continue
+            assert len(told) == 1 and expected in told[0][1], (mistake, told)
+            # Options are known at the first call; data mistakes are read at the next step's start (CPU).
+            assert told[0][0] == (0 if "cannot carry" in expected else 1), (mistake, told)
+
+
+def test_step_starts_are_the_schedules_first_microbatches_or_every_doubling_of_the_calls():
+    from twinkle_megatron.megatron.mistakes import StepStarts
+
+    class Chunk(torch.nn.Module):  # what megatron-core's schedules number: the decoder layers
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList([torch.nn.Linear(1, 1)])
+
+    chunk, starts = Chunk(), StepStarts()
+    seen = []
+    for microbatch in [0, 1, 2, 0, 1, 2]:
+        chunk.decoder.layers[0].current_microbatch = microbatch
+        seen.append(starts(chunk))
+    assert seen == [True, False, False, True, False, False]
+    unnumbered = StepStarts()  # no numbers (another schedule, no model): calls 1, 2, 4, 8
+    assert [unnumbered(None) for _ in range(9)] == [True, True, False, True, False, False, False, True, False]

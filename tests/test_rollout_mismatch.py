@@ -153,3 +153,86 @@ def test_bad_threshold_and_misaligned_rollout_arrays():
     assert metric.calculate()["train/misaligned_arrays"] == 1
     with pytest.raises(ValueError, match="rollout_logps"):
         metric.accumulate({"labels": labels}, {"logps": torch.zeros(1, 3)}, rollout_logps=torch.zeros(2, 3))
+
+
+# ------------------------------------------------------------------ misaligned arrays: left out, never filled
+
+SHORT, LONG = 1, 4  # the sequences whose arrays are one value short and one value long
+
+
+def _misaligned(values: list) -> list:
+    values = [list(row) for row in values]
+    values[SHORT] = values[SHORT][:-1]
+    values[LONG] = values[LONG] + [0.0]
+    return values
+
+
+def _without_misaligned_sequences(d: dict) -> dict:
+    keep = [row for row in range(ROWS) if row not in (SHORT, LONG)]
+    return {key: value[keep] for key, value in d.items()}
+
+
+def _ragged_feed(arrays: tuple[str, ...]):
+    """Twinkle's Megatron model: each DP rank's whole sequences (gathered over CP), its per-sequence values as
+    ragged lists of the whole batch's sequences, ``arrays`` (of 'rollout', 'old', 'advantages') with the
+    sequences SHORT and LONG misaligned."""
+
+    def feed(metric, d: dict, view: RankView, variant) -> list[Call]:
+        if not view.last_stage:
+            return []
+        rows = view.rows(torch.arange(d["labels"].shape[0])).tolist()
+        whole = {"rollout": ragged(d["rollout"], d["labels"]), "old": ragged(d["old"], d["labels"]),
+                 "advantages": [[float(a)] * int(n) for a, n in zip(d["advantages"], (d["labels"] != -100).sum(-1))]}
+        given = {name: _misaligned(values) if name in arrays and d["labels"].shape[0] == ROWS else values
+                 for name, values in whole.items()}
+        keywords = {"rollout_logps": "rollout", "old_logps": "old", "advantages": "advantages"}
+        return [Call([{"labels": view.rows(d["labels"])}], {"logps": [view.rows(d["logps"])]},
+                     {key: [given[name][row] for row in rows] for key, name in keywords.items()})]
+
+    return feed
+
+
+@pytest.mark.parametrize("arrays", [("rollout",), ("old", "advantages")], ids="+".join)
+@pytest.mark.parametrize("cls", METRICS, ids=lambda cls: cls.__name__)
+def test_misaligned_arrays_leave_their_sequences_out_and_are_counted(cls, arrays):
+    """A ragged array one value short and one value long: every key (the mismatch keys and the ones reading old
+    log-probs and advantages) equals those of the same data without those two sequences; each misaligned array
+    is counted in train/misaligned_arrays; the same on DP2 and CP2×DP2."""
+    d = data()
+    feed = _ragged_feed(arrays)
+    factory = lambda _: cls(rollout_threshold=THRESHOLD, position_buckets=EDGES, cp_gathered=True)  # noqa: E731
+    without = factory(None)
+    reduced = _without_misaligned_sequences(d)
+    run_calls(without, feed(without, reduced, RankView(), None))
+    want = {**without.calculate(), "train/misaligned_arrays": 2 * len(arrays)}  # arrays, not sequences
+    assert set(KEYS) <= set(want) and "train/approx_kl" in want
+    assert_layout_invariant(factory, d, [Layout(dp=2), Layout(cp=2, dp=2)], feed=feed, expected=want, rel=1e-9)
+    # Filled with zeros, the short array's missing value would have moved the keys: the data are not degenerate.
+    filled = factory(None)
+    calls = feed(filled, d, RankView(), None)
+    for call in calls:
+        for values in call.keywords.values():
+            values[SHORT] = values[SHORT] + [0.0]
+            values[LONG] = values[LONG][:-1]
+    run_calls(filled, calls)
+    assert filled.calculate() != want
+
+
+def test_the_value_metric_leaves_sequences_with_misaligned_arrays_out_too():
+    """PPOValueMetric reads the same view: old values one short and returns one long leave their sequences out."""
+    from twinkle_megatron import PPOValueMetric
+
+    d = data()
+    values = d["logps"] + 1.0
+
+    def result(rows: list, old: list, returns: list) -> dict:
+        metric = PPOValueMetric(epsilon=0.1)
+        metric.accumulate({"labels": d["labels"][rows]}, {"values": values[rows]}, old_values=old, returns=returns)
+        return metric.calculate()
+
+    old, returns = ragged(d["old"], d["labels"]), ragged(d["rollout"], d["labels"])
+    old[SHORT], returns[LONG] = old[SHORT][:-1], returns[LONG] + [0.0]
+    got = result(list(range(ROWS)), old, returns)
+    keep = [row for row in range(ROWS) if row not in (SHORT, LONG)]
+    assert got.pop("train/misaligned_arrays") == 2
+    assert got == result(keep, [old[row] for row in keep], [returns[row] for row in keep])

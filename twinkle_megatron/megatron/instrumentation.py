@@ -25,7 +25,7 @@ the wrapped step receives, on its first call with that chunk. With
 ``loss_reports`` (the default without a model), the wrapped ``loss_func`` also
 adds the statistics to its loss report as ``[sum, count]`` entries
 (:mod:`.token_reports`), which Megatron's ``train_step`` pools over DP×CP and
-``training_log`` writes to TensorBoard and W&B.
+``training_log`` writes to TensorBoard and W&B; mistakes are told where it logs (:mod:`.mistakes`).
 
 ``calculate()`` after the schedule is collective: every rank calls it and gets
 the step's results; hook failures are data (:mod:`.hook_failures`).
@@ -54,6 +54,7 @@ from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
 from .microbatch_feed import microbatch_feed, per_token_losses
+from .mistakes import LoopChecks
 from .router_hooks import attach_moe_routing, find_routers
 from .token_reports import TokenReports, report_device, with_entries
 
@@ -126,6 +127,7 @@ class MegatronInstrumentation:
         # Without a model, Megatron's own loop (pretrain()) is the one that logs: the statistics ride in its reports.
         self.reports = TokenReports(ignore_index, names, loss_key) \
             if (model is None if loss_reports is None else loss_reports) else None
+        self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key, user_metrics, model)
         self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
         self._by_position = any(getattr(m, "position_buckets", None) is not None for m in user_metrics)
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
@@ -225,15 +227,17 @@ class MegatronInstrumentation:
                          f"or sample indices (SampleLosses)")
         if self._lazy:
             step.require(MODEL, forward_step_func, "to attach the hooks to it (instrument() was given no model)")
-        reads_arguments = reads_batches or self._lazy
+        reads_arguments = reads_batches or self._lazy or self._checks is not None and step.takes(MODEL)
 
         @functools.wraps(forward_step_func)
         def forward_step(*args: Any, **kwargs: Any):
             # One microbatch per forward_step: what an earlier model call captured (a call outside the
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
             self._captured, self._group_ids, self._sample_index = None, None, None
+            arguments = step.bind(args, kwargs) if reads_arguments else None
+            if self._checks is not None:  # mistakes told where Megatron logs; before the step's work is queued
+                self._checks.at_call(arguments.arguments.get(MODEL) if arguments is not None else None)
             if reads_arguments:
-                arguments = step.bind(args, kwargs)
                 if self._lazy:
                     self._attach_lazily(arguments.arguments.get(MODEL))
                 iterator = arguments.arguments.get(DATA_ITERATOR)
@@ -307,7 +311,8 @@ class MegatronInstrumentation:
         entries = None
         if self.reports is not None:
             groups = self.reports.groups(group_ids, labels, self.context)
-            entries = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
+            entries, mistakes = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
+            self._checks.add(mistakes)
         more = {"packed_seq_params": captured.get("packed_seq_params")}  # THD: sub-sequences
         if self._samples is not None:
             more[self._samples.index_key] = sample_index

@@ -25,12 +25,15 @@ every key (``[0, 0]`` when it has nothing), because ``train_step`` takes the
 keys of the first microbatch and all-reduces them in order on every rank; a
 group absent from the whole step reads ``0 / 0 = NaN`` in Megatron's log.
 The entries are float32 device tensors, like Megatron's own ``lm loss``
-report; building them never reads a value on the host.
+report; building them never reads a value on the host. Beside them each
+microbatch counts, on the device, the tokens the reports cannot place (labels
+outside the vocabulary; with group names, tokens without a valid group id):
+:mod:`.mistakes` reads those counts at step starts and warns once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,15 @@ from ..ops import TokenStats
 from ..parallel import ParallelContext
 
 ACCURACY, LOGPROB, ENTROPY = "accuracy", "logprob", "entropy"  # the metrics' own result names
+INVALID_LABELS, UNGROUPED_TOKENS = "invalid_labels", "ungrouped_tokens"  # the mistakes a microbatch counts
+
+
+class MicrobatchReport(NamedTuple):
+    """One microbatch's report entries and its mistake counts (device float64 scalars by kind: tokens of the loss
+    mask with a label outside the vocabulary; with group names, tokens without a valid group id)."""
+
+    entries: dict[str, torch.Tensor]
+    mistakes: dict[str, torch.Tensor]
 
 
 class TokenReports:
@@ -86,12 +98,19 @@ class TokenReports:
 
     def of(self, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], stats: TokenStats,
            groups: Optional[TokenGroups] = None, token_losses: Optional[torch.Tensor] = None
-           ) -> dict[str, torch.Tensor]:
-        """The entries of one microbatch: ``labels`` and ``loss_mask`` shaped like the per-token ``stats``;
-        ``groups`` (per token) and ``token_losses`` (shaped like ``labels``) for the per-group entries."""
+           ) -> MicrobatchReport:
+        """The entries of one microbatch and its mistake counts: ``labels`` and ``loss_mask`` shaped like the
+        per-token ``stats``; ``groups`` (per token) and ``token_losses`` (shaped like ``labels``) for the
+        per-group entries."""
         device = stats.entropy.device
         mask = token_mask(labels.to(device), None if loss_mask is None else loss_mask.to(device), self.ignore_index)
-        counted = classify_tokens(stats, mask).counted
+        classes = classify_tokens(stats, mask)
+        counted = classes.counted
+        # Tokens of the loss mask the reports cannot place: labels outside the vocabulary, and (with group
+        # names) tokens without a group id inside the names (none given, or out of range).
+        mistakes = {INVALID_LABELS: classes.invalid_label.sum(dtype=torch.float64)}
+        if self.group_names:
+            mistakes[UNGROUPED_TOKENS] = (mask if groups is None else mask & ~groups.valid).sum(dtype=torch.float64)
         zero = torch.zeros((), dtype=stats.entropy.dtype, device=device)
         values = {ACCURACY: counted & (stats.argmax == labels.to(device)),
                   ENTROPY: torch.where(counted, stats.entropy, zero),
@@ -100,7 +119,7 @@ class TokenReports:
         reports = {key: _pair(value.to(torch.float64).sum(), count) for key, value in values.items()}
         if self.group_names:
             reports.update(self._per_group(values, counted, mask, groups, token_losses, device))
-        return reports
+        return MicrobatchReport(reports, mistakes)
 
     def _per_group(self, values: dict, counted: torch.Tensor, mask: torch.Tensor, groups: Optional[TokenGroups],
                    token_losses: Optional[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -104,9 +104,11 @@ class GRPOMetric(Metric):
 
     ``epsilon_high`` defaults to ``epsilon``. Tokens with a non-finite input
     are left out of everything and counted in ``train/nonfinite_tokens``;
-    per-sequence arrays (of ``old_logps`` or ``advantages``) that do not hold
-    one value per counted token are counted in ``train/misaligned_arrays``
-    (Twinkle truncates or zero-fills them silently); both reported when > 0.
+    per-sequence arrays (of ``old_logps``, ``advantages`` or ``rollout_logps``)
+    that do not hold one value per counted token are counted in
+    ``train/misaligned_arrays`` and their sequences are left out of every key,
+    as if absent (Twinkle truncates or zero-fills them silently, which invents
+    values); both reported when > 0.
 
     ``top_k_kl > 0`` adds ``_high_kl_records``: the K tokens of highest k3 over
     all ranks (k3 > 0), highest first, each

@@ -11,7 +11,8 @@ tokens. Its own math then reads only the view. The data passes each stage once, 
 3. :mod:`.context_parallel`: every per-token tensor cut to this CP rank's chunks where some are whole
    sequences (:func:`.align_to_cp_rank`), the tokens' positions;
 4. :mod:`.packed`: the sub-sequences of packed rows;
-5. here: the counted tokens' mask, the per-sequence values over the tokens, the view.
+5. here: the counted tokens' mask (without the sequences whose ragged arrays are misaligned: their values
+   would be invented), the per-sequence values over the tokens, the view.
 
 Every check runs before the view is returned, so a metric changes no state for a call that raises.
 Inside a ``MetricCollection`` call the metrics that declare the same spec (GRPO, GSPO, CISPO, PPO's policy
@@ -58,7 +59,8 @@ class MicrobatchView(NamedTuple):
 
     tensors: dict[str, torch.Tensor]  # the anchor, labels, completion_mask, per-token outputs, CP-matched
     output: Mapping[str, Any]  # the microbatch's outputs as given (the paired ones: logits, token_stats)
-    mask: torch.Tensor  # the counted tokens: labels != ignore_index, completion_mask, real (not padding)
+    mask: torch.Tensor  # the counted tokens: labels != ignore_index, completion_mask, real (not padding), and
+    # not of a sequence whose ragged per-sequence array is misaligned
     values: dict[str, torch.Tensor]  # each given per-sequence value per token: float64, 0 off the mask
     misaligned_arrays: Any  # ragged arrays not one value per counted token (counted on CP rank 0)
     group_ids: Any  # per sample, or per token (CP-matched)
@@ -218,6 +220,11 @@ def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment
         completion_mask = tensors.get("completion_mask")
         mask = token_mask(to_device(labels, device), None if completion_mask is None else
                           to_device(completion_mask, device), spec.ignore_index, real)
+    # The one rule for misaligned arrays: a sequence whose ragged array does not fit its counted tokens is left
+    # out of the view (every key of the metric reading it), as if absent; the array is still counted.
+    for value in values.values():
+        if value.aligned is not None:
+            mask = mask & to_device(value.aligned, device)[:, None]
     spread = {}
     zero = torch.zeros((), dtype=torch.float64, device=device) if values else None
     for name, value in values.items():

@@ -45,7 +45,8 @@ class PPOValueMetric(Metric):
     with ``Var(x) = Σ x² / N − (Σ x / N)²`` in float64. Tokens with a non-finite
     input are left out and counted in ``train/nonfinite_tokens``; per-sequence
     arrays that do not hold one value per counted token in
-    ``train/misaligned_arrays`` (both when > 0).
+    ``train/misaligned_arrays``, their sequences left out of every key (both
+    when > 0).
 
     ``accumulate(inputs, outputs, *, old_values, returns, advantages=None)``:
     ``outputs['values']`` shaped like ``labels`` (one tensor or a list per

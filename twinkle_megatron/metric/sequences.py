@@ -14,7 +14,10 @@ sequence of an ``accumulate`` call, in one of these forms:
 vector (numbers: the view spreads them over the tokens) or a per-token tensor (given per token, or a
 ragged list laid onto the counted tokens). Ragged arrays are laid onto the labels *as given*, before the
 context-parallel cut (stage 3): which counted tokens a CP chunk holds is known only from whole sequences,
-so the per-token result is then cut with the labels, like every other per-token tensor. A packed
+so the per-token result is then cut with the labels, like every other per-token tensor. A ragged array
+that does not hold one value per counted token of its sequence (shorter or longer) is *misaligned*: it is
+counted (``misaligned``), and its sequence is marked not aligned (``aligned``) so that the view leaves that
+sequence's tokens out of the metric's keys; no value is invented for it (nor cut off it). A packed
 microbatch (``cu_seqlens``) is one row: its per-sequence values must be given per token.
 """
 
@@ -37,6 +40,9 @@ class SequenceValues(NamedTuple):
     per_token: Optional[torch.Tensor]  # [sequences, length] as given or laid onto the labels, or None
     misaligned: Any  # ragged arrays whose length is not their sequence's counted tokens: a device count, or 0.0
     ragged: bool  # laid onto the labels as given (then they must hold whole sequences)
+    # bool [sequences]: the sequences whose values fit their counted tokens (ragged only; None: all of them).
+    # The view leaves the others' tokens out (:mod:`.microbatch_view`): their values would be invented.
+    aligned: Optional[torch.Tensor] = None
 
 
 def per_sequence_values(values_by_name: dict[str, Any], masks: Sequence[torch.Tensor]
@@ -71,7 +77,9 @@ def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> 
     bordered, lengths, is_scalar = arrays
     # The i-th counted token of a sequence (i from 1: the running count of counted tokens) takes column i of
     # its bordered row: its i-th value, or a 0 of the border before the first counted token and past the
-    # row's values. Three ops, no comparison: the border holds what a mask would have to put there.
+    # row's values. Three ops, no comparison: the border holds what a mask would have to put there. A row
+    # whose array is shorter or longer than its counted tokens is marked not aligned: its zeros past the
+    # values (or its cut-off tail) are no data, and the view leaves the row's tokens out.
     count = mask.cumsum(-1)
     tokens = bordered.gather(1, count.clamp(max=bordered.shape[1] - 1))
     wrong_length = count[:, -1] != lengths if count.shape[-1] else lengths != 0
@@ -79,7 +87,7 @@ def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> 
         tokens = torch.where(is_scalar[:, None], scalars[:, None].expand(mask.shape), tokens)
         wrong_length = wrong_length & ~is_scalar
     misaligned = wrong_length.sum(dtype=torch.float64)
-    return SequenceValues(None, tokens, misaligned, True)
+    return SequenceValues(None, tokens, misaligned, True, ~wrong_length)
 
 
 def split_per_microbatch(values: Any, name: str, rows: Sequence[int]) -> list[Any]:
