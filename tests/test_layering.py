@@ -179,11 +179,3 @@ def test_the_testing_package_init_imports_nothing():
     imports = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert imports == [], imports
 
-
-MAX_LINES = 400  # one job per file: a module past this is doing two
-
-
-@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_package_file_is_over_400_lines(path):
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines: move a whole responsibility out"
