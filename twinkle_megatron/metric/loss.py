@@ -244,8 +244,10 @@ class LossMetric(Metric):
             tokens = torch.stack([torch.where(valid, loss, 0.0), valid, mask & ~valid]).sum(
                 tuple(range(1, loss.dim() + 1)), dtype=torch.float64)
             totals = dict(zip(("loss_sum", "weight", "nonfinite_losses"), _report_or_tokens(report, tokens)))
-            self._fold_totals({**totals, **sum_totals(self._specs, {"loss_sum": loss, "weight": valid}, valid,
-                                                      groups, slices_only=True)})
+            if groups is not None:  # the per-group and per-position twins, from the per-token losses
+                totals.update(sum_totals(self._specs, {"loss_sum": loss, "weight": valid}, valid, groups,
+                                         slices_only=True))
+            self._fold_totals(totals)
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:
