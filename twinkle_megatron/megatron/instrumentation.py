@@ -15,7 +15,10 @@ there. So, per microbatch, on the last pipeline stage:
    schedule calls it, the loss report (``(loss, num_tokens, {'lm loss': [sum,
    count]})`` or the older ``(loss, {'lm loss': value})``) and the loss mask (a
    tensor argument of the ``loss_func`` partial shaped like the labels) join the
-   statistics, and everything is accumulated into the metrics on the device.
+   statistics and GPTModel's per-token losses (the ``output_tensor`` the
+   ``loss_func`` receives), and everything is accumulated into the metrics on
+   the device: the per-token losses slice the loss (groups, positions, samples)
+   and keep the healthy samples of a microbatch whose report is non-finite.
 
 ``wrap()`` finds the step's data iterator and model by parameter name
 (:mod:`.forward_step`), so Megatron-Bridge's ``forward_step(state, data_iterator,
@@ -129,7 +132,6 @@ class MegatronInstrumentation:
             if (model is None if loss_reports is None else loss_reports) else None
         self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key, user_metrics, model)
         self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
-        self._by_position = any(getattr(m, "position_buckets", None) is not None for m in user_metrics)
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
         self._group_ids, self._sample_index = None, None  # the microbatch's group ids, sample indices
         self._handles: list = []
@@ -305,8 +307,9 @@ class MegatronInstrumentation:
         labels = captured["labels"]
         loss_mask = None if loss_mask is None else loss_mask.reshape(labels.shape)
         # Per group, position and sample, the loss is pooled from the per-token losses GPTModel hands the
-        # loss_func (the report's [sum, count] is one number for the whole microbatch); the global loss stays
-        # the report's.
+        # loss_func (the report's [sum, count] is one number for the whole microbatch); the global loss is the
+        # report's while it is finite, and the finite per-token losses' when it is not (LossMetric): one NaN
+        # sample never takes the healthy samples of its microbatch with it.
         token_losses = per_token_losses(output_tensor, labels)
         entries = None
         if self.reports is not None:
@@ -316,11 +319,9 @@ class MegatronInstrumentation:
         more = {"packed_seq_params": captured.get("packed_seq_params")}  # THD: sub-sequences
         if self._samples is not None:
             more[self._samples.index_key] = sample_index
-        wants_token_losses = group_ids is not None or self._by_position or self._samples is not None
         inputs, outputs = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=captured["stats"],
                                           group_key=self.group_key, group_ids=group_ids, loss=loss,
-                                          num_tokens=num_tokens, more_inputs=more,
-                                          token_losses=token_losses if wants_token_losses else None)
+                                          num_tokens=num_tokens, more_inputs=more, token_losses=token_losses)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
         return entries

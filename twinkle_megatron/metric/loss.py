@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -13,6 +13,7 @@ from .host_values import all_host_numbers, is_host_number
 from .inputs import call_value, count_tokens, microbatches, with_call_values
 from .microbatch_view import ViewSpec, microbatch_views_of
 from .tensors import all_finite, host_float64, to_device
+from .token_sums import sum_totals
 
 _REDUCTIONS = ("mean", "sum")
 PENDING_REPORTS = 64  # microbatch loss reports (copies of device values) kept before they are folded into the states
@@ -39,27 +40,34 @@ class LossMetric(Metric):
     whatever ``loss_reduction`` says. Only the last pipeline stage and TP rank 0
     count (TP ranks repeat the loss).
 
-    Per group (``group_names``): a microbatch's value with one group id goes to
-    that group; per-sample or per-token ids need per-token losses, either as
-    ``loss`` or, next to a microbatch's ``[sum, count]`` report, as
-    ``outputs['token_losses']`` (what ``instrument()`` passes: GPTModel's
-    per-token losses), which feed only the per-group ``loss/<group>`` so that
-    ``loss`` stays the report's. Per position bucket (``position_buckets``,
-    ``loss/pos_<first>-<last>``) likewise, from per-token losses only. In a
-    packed microbatch (``cu_seqlens``) per-token losses of padding never count.
+    Per-token losses next to a microbatch's value (``outputs['token_losses']``,
+    shaped like ``labels``: what ``instrument()`` passes, GPTModel's per-token
+    losses beside Megatron's ``[sum, count]`` report) serve two purposes. They
+    slice the loss: per group (``group_names``, ``loss/<group>``: a microbatch's
+    value with one group id goes to that group; per-sample or per-token ids need
+    per-token losses) and per position bucket (``position_buckets``,
+    ``loss/pos_<first>-<last>``). And they stand in for a non-finite value: the
+    value counts in ``loss`` while it is finite; when it is not, the microbatch
+    adds its finite counted tokens instead (Σ loss and tokens; for a mean, their
+    mean with weight 1), so the healthy samples of a microbatch with one NaN
+    sample still count in ``loss`` and ``loss/<group>``. In a packed microbatch
+    (``cu_seqlens``) per-token losses of padding never count.
 
-    A non-finite loss value (or token loss) is left out and counted in
-    ``nonfinite_losses``; ``grad_norm`` is the latest finite value passed (max
-    over ranks), a non-finite one is counted in ``nonfinite_grad_norms``.
+    Non-finite values are left out and counted in ``nonfinite_losses``: one per
+    value (a microbatch's value without per-token losses, or a Python number),
+    one per counted token where per-token losses are given (at least one for a
+    non-finite value whose per-token losses are finite where counted).
+    ``grad_norm`` is the latest finite value passed (max over ranks), a
+    non-finite one is counted in ``nonfinite_grad_norms``.
 
     ``accumulate(inputs, outputs, *, loss_reduction=None, num_tokens=None, grad_norm=None)``:
     each keyword wins over ``outputs[...]`` of the same name, which wins over the
     constructor's default; any other keyword (Twinkle passes ``lr``, ``step``…)
     is ignored.
 
-    Results: ``loss`` (when any token or value counted), ``grad_norm`` (when
-    given), ``nonfinite_losses`` / ``nonfinite_grad_norms`` (when > 0); ``{}``
-    when nothing was passed.
+    Results: ``loss`` (when any token or value counted; NaN when every value
+    passed was non-finite), ``grad_norm`` (when given), ``nonfinite_losses`` /
+    ``nonfinite_grad_norms`` (when > 0); ``{}`` when nothing was passed.
 
     >>> from twinkle_megatron import LossMetric
     >>> metric = LossMetric()
@@ -98,10 +106,9 @@ class LossMetric(Metric):
             return
         reduction = _check_reduction(call_value("loss_reduction", kwargs, outputs, self.loss_reduction))
         given = with_call_values({"loss": loss}, kwargs, outputs, ("num_tokens", "group_ids"))
-        sliced = self.group_names or self.position_buckets is not None
-        token_losses = outputs.get("token_losses") if sliced and hasattr(outputs, "get") else None
+        token_losses = outputs.get("token_losses") if hasattr(outputs, "get") else None
         given.update({} if token_losses is None else {"token_losses": token_losses})
-        per_token = []  # (inputs, outputs for the view, whether the losses only slice a microbatch's report)
+        per_token = []  # (inputs, outputs for the view, the microbatch's report that the losses stand beside)
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
             if self._add_host_loss(batch, output, reduction):
                 continue
@@ -111,19 +118,20 @@ class LossMetric(Metric):
             loss = self._as_state("loss_sum", loss)
             ids = output.get("group_ids")
             if loss.numel() > 1:
-                per_token.append((batch, {"loss": loss, "group_ids": ids}, False))
+                per_token.append((batch, {"loss": loss, "group_ids": ids}, None))
                 continue
             ids = self.group_ids_of(batch, output)
             loss = loss.reshape(())
-            valid = all_finite([loss])
             weight = (self._as_state("weight", self._num_tokens(batch, output.get("num_tokens")))
                       if reduction == "sum" else torch.ones_like(loss))
-            if output.get("token_losses") is not None and (ids is not None or self.position_buckets):
-                # The report is the total; the per-token losses next to it give the groups and buckets only.
-                self._add_loss(loss, weight, valid, ~valid, None)
+            if output.get("token_losses") is not None:
+                # The report is the total while it is finite; its per-token losses slice it (groups, buckets)
+                # and stand in for it when it is not (_add_token_losses).
                 token_losses = self._as_state("loss_sum", output["token_losses"])
-                per_token.append((batch, {"loss": token_losses, "group_ids": output.get("group_ids")}, True))
+                report = _Report(loss, weight.sum() if weight.shape != loss.shape else weight, reduction)
+                per_token.append((batch, {"loss": token_losses, "group_ids": output.get("group_ids")}, report))
                 continue
+            valid = all_finite([loss])
             if ids is not None and torch.as_tensor(ids).dim() > 0:
                 raise ValueError("a loss value for the whole microbatch needs one group id for the whole "
                                  "microbatch (or pass per-token losses with per-sample or per-token ids)")
@@ -212,24 +220,34 @@ class LossMetric(Metric):
         self._add_token_sums({"loss_sum": loss, "weight": weight}, valid, groups,
                              {"nonfinite_losses": nonfinite.sum(dtype=torch.float64)})
 
-    def _add_token_losses(self, per_token: list[tuple[Any, dict, bool]]) -> None:
-        """Per-token losses, matched under CP by the microbatches' views: Σ over the counted finite tokens, and
-        per slice; next to a microbatch's report (``True``), per slice only (the report has the total)."""
+    def _add_token_losses(self, per_token: list[tuple[Any, dict, Optional[_Report]]]) -> None:
+        """Per-token losses, matched under CP by the microbatches' views: Σ over the counted finite tokens and
+        per slice, the counted non-finite tokens in ``nonfinite_losses``. Next to a microbatch's report, the
+        slices come from the per-token losses and the total from the report while it is finite; a non-finite
+        report gives way to the per-token totals (:func:`_report_or_tokens`): the healthy samples of the
+        microbatch still count, its non-finite tokens are counted, never averaged in."""
         spec = ViewSpec("LossMetric", "loss", rows=False, positions=self.position_buckets is not None,
                         ignore_index=self.ignore_index, cp_gathered=self.cp_gathered,
                         group_key=self.group_key if self.group_names else None)
         views = microbatch_views_of([(batch, output) for batch, output, _ in per_token], spec, self.context)
-        for view, (_, _, slices_only) in zip(views, per_token):
+        for view, (_, _, report) in zip(views, per_token):
             if not view.counts_here:
                 continue
             loss = view.tensors["loss"]
             mask = to_device(view.mask, loss.device)
             valid = mask & all_finite([loss])
             groups = self._token_groups(view.group_ids, valid, mask, view.sequence_positions)
-            if slices_only:
-                self._add_to_groups({"loss_sum": loss, "weight": valid}, valid, groups)
-            else:
+            if report is None:
                 self._add_loss(loss, valid.to(torch.float64), valid, mask & ~valid, groups)
+                continue
+            # One stack, one reduction: [Σ finite loss, finite tokens, non-finite tokens] of the counted tokens.
+            tokens = torch.stack([torch.where(valid, loss, 0.0), valid, mask & ~valid]).sum(
+                tuple(range(1, loss.dim() + 1)), dtype=torch.float64)
+            totals = dict(zip(("loss_sum", "weight", "nonfinite_losses"), _report_or_tokens(report, tokens)))
+            if groups is not None:  # the per-group and per-position twins, from the per-token losses
+                totals.update(sum_totals(self._specs, {"loss_sum": loss, "weight": valid}, valid, groups,
+                                         slices_only=True))
+            self._fold_totals(totals)
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:
@@ -249,10 +267,37 @@ class LossMetric(Metric):
         loss = self.pooled_loss(states)
         if loss is not None:
             results["loss"] = loss
+        elif states["nonfinite_losses"] > 0:  # every loss of the interval was non-finite: NaN, not absent
+            results["loss"] = math.nan
         if states["grad_norm"] != float("-inf"):
             results["grad_norm"] = states["grad_norm"]
         results.update(states.counts(("nonfinite_losses", "nonfinite_grad_norms")))
         return results
+
+
+class _Report(NamedTuple):
+    """A microbatch's loss report (0-d float64 device values) that per-token losses stand beside."""
+
+    loss: torch.Tensor  # Σ token losses ('sum') or their mean ('mean')
+    weight: torch.Tensor  # its tokens ('sum'), 1 ('mean')
+    reduction: str
+
+
+def _report_or_tokens(report: _Report, tokens: torch.Tensor) -> torch.Tensor:
+    """``[loss_sum, weight, nonfinite_losses]`` to add for a microbatch: its report while it is finite, else its
+    per-token totals (``tokens``: Σ finite counted losses, their count, the counted non-finite tokens).
+
+    A non-finite report adds the finite tokens' sum and count (``'sum'``), or their mean with weight 1 when any
+    is finite (``'mean'``), and counts its non-finite tokens, at least 1 (a non-finite loss outside the counted
+    tokens still made the report non-finite). Device selects only: no host sync.
+    """
+    token_sum, token_count, nonfinite = tokens.unbind(0)
+    if report.reduction == "mean":
+        token_sum, token_count = token_sum / token_count.clamp(min=1), (token_count > 0).to(torch.float64)
+    finite = all_finite([report.loss])
+    zero = torch.zeros((), dtype=torch.float64, device=tokens.device)
+    return torch.where(finite, torch.stack([report.loss, report.weight.to(tokens.device), zero]),
+                       torch.stack([token_sum, token_count, nonfinite.clamp(min=1)]))
 
 
 def _check_reduction(loss_reduction: str) -> str:
