@@ -199,6 +199,11 @@ class LossMetric(Metric):
         valid = all_finite([losses])
         self._add_loss(losses, weights, valid, ~valid, None)
 
+    def nonfinite_count(self) -> torch.Tensor:
+        """The non-finite losses this rank counted since the last reset (its ``nonfinite_losses`` state, a device
+        tensor: nothing is read on the host). The tracker compares it step by step to count divergent steps."""
+        return self.sync_states()["nonfinite_losses"].detach().clone()
+
     def sync_states(self) -> dict[str, torch.Tensor]:
         self._fold_reports()  # read like the pending host values: whoever reads the states gets them
         return super().sync_states()

@@ -126,30 +126,29 @@ class RankStates(Metric):
 
 
 class NonfiniteLossCounts:
-    """Per step, whether a metric among the tracker's counted a non-finite loss: 1 when its ``nonfinite_losses``
-    state (LossMetric and its kind, whose result key is that state's name) grew since the previous step end.
+    """Per step, whether a :class:`~twinkle_megatron.LossMetric` among the tracker's metrics counted a non-finite
+    loss: 1 when its :meth:`~twinkle_megatron.LossMetric.nonfinite_count` grew since the previous step end.
 
-    The count is this rank's (the identity 0 where the rank's data does not count), read from the states the
-    sync would send: device tensors, compared on the device (no host sync). The same flag as a non-finite loss
-    given to ``end_step``, so ``train/nonfinite_loss_steps`` counts divergence one way.
+    The count is this rank's (the identity 0 where the rank's data does not count): a device tensor, compared on
+    the device (no host sync). The same flag as a non-finite loss given to ``end_step``, so
+    ``train/nonfinite_loss_steps`` counts divergence one way.
     """
 
     def __init__(self, metrics: Iterable[Metric]) -> None:
-        self.metrics = [m for m in metrics if keys.NONFINITE_LOSSES in m.state_specs]
-        self._counted: dict[int, torch.Tensor] = {}  # id(metric) -> its count at the last step end
+        self.metrics = [m for m in metrics if isinstance(m, LossMetric)]
+        self._counted: list[Optional[torch.Tensor]] = [None] * len(self.metrics)  # each count at the last step end
 
     def step_flags(self) -> list[torch.Tensor]:
         flags = []
-        for metric in self.metrics:
-            count = metric.sync_states()[keys.NONFINITE_LOSSES].detach().clone()
-            previous = self._counted.get(id(metric))
+        for position, metric in enumerate(self.metrics):
+            count, previous = metric.nonfinite_count(), self._counted[position]
             flags.append((count > 0) if previous is None else (count > previous.to(count.device)))
-            self._counted[id(metric)] = count
+            self._counted[position] = count
         return flags
 
     def reset(self) -> None:
         """The metrics were reset (synced) or reloaded: their counts start again."""
-        self._counted.clear()
+        self._counted = [None] * len(self.metrics)
 
 
 def any_flag(flags: Sequence[Any]) -> Any:
