@@ -42,7 +42,7 @@ def measure(args: argparse.Namespace) -> dict:
     from megatron.core.transformer.spec_utils import build_module
 
     from twinkle_megatron.megatron.router_hooks import MoERoutingHooks
-    from twinkle_megatron.metric.moe_routing import MoERoutingMetric
+    from twinkle_megatron.metric.language.moe_routing import MoERoutingMetric
 
     cuda = torch.cuda.is_available()
     parallel_state.initialize_model_parallel()

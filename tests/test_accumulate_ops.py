@@ -53,18 +53,18 @@ ARGMAX_ONLY_BUDGET = 38
 # outputs), one metric: the token mask, the lists on the tokens, the ratio and KL terms, one stack, mask and
 # reduction for its 11 sums and one for its 2 maxima, its clip counts, then one add and one max for all its
 # states. Was 103, 116, 99, 103 with one reduction and one add per state, then 78, 91, 74, 78 plus one host op
-# per sequence before the lists were padded in Python and copied in two tensors (metric/sequences.py), then
+# per sequence before the lists were padded in Python and copied in two tensors (metric/inputs/sequences.py), then
 # 76, 89, 72, 76 before one finiteness test for all inputs (tensors.all_finite: 4 ops, where isfinite is 4 per
 # tensor), the ragged lists laid by a gather from zero-bordered rows (3 ops, was 8 and 4 more for a number
 # among them, which the host knows is absent) and the clip counts reading the ratio the terms computed.
 # Each includes one AND per ragged per-sequence array (old_logps, advantages): a sequence whose array does not fit
-# its tokens is left out of the view's mask (metric/microbatch_view.py), never filled with invented values.
+# its tokens is left out of the view's mask (metric/inputs/view.py), never filled with invented values.
 GRPO_FAMILY_BUDGET = {"GRPOMetric": 49, "GSPOMetric": 63, "CISPOMetric": 45, "PPOMetric": 49}
 # bench_accumulate.py's eight metrics in one collection: the family (its per-token terms and their totals made
 # once per call for the four, each then adding its own clip counts: GRPOMetric._token_terms), Accuracy's
 # argmax-only pass, LossMetric, TrainMetric, CompletionRewardMetric (its reward names folded into their states
 # only when a new name comes). Python numbers (the learning rate, the grad norm, rewards, lengths and times as
-# lists) are added on the host until the sync (metric/host_values.py): no op. Was 527, then 214 plus one per
+# lists) are added on the host until the sync (metric/state/host_values.py): no op. Was 527, then 214 plus one per
 # sequence, then 206, then 143 before LossMetric's finiteness test of its loss took 2 ops, not 4, then 141
 # before it kept its loss (a device value) as a copy until the sync: 1 op; 135 with the misaligned-array rule.
 EIGHT_METRICS = ("Accuracy", "LossMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "PPOMetric",

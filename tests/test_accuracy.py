@@ -10,9 +10,9 @@ from kit.invariance import Call, assert_layout_invariant, calculate_or_error
 from kit.references import accuracy_reference, full_vocab_stats
 
 from twinkle_megatron import Accuracy, Metric, MetricCollection
-from twinkle_megatron.metric.inputs import microbatches
-from twinkle_megatron.metric.logits_pass import logits_token_stats
-from twinkle_megatron.metric.tensors import token_mask
+from twinkle_megatron.metric.inputs.microbatches import microbatches
+from twinkle_megatron.metric.inputs.tensors import token_mask
+from twinkle_megatron.metric.tokens.logits_pass import logits_token_stats
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 12, 50, 56  # Megatron pads the vocabulary to a multiple of TP
 

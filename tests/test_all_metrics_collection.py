@@ -11,10 +11,10 @@ from kit.invariance import Call, assert_layout_invariant, run_calls
 from kit.references import full_vocab_stats
 
 from twinkle_megatron import Accuracy, LossMetric, MetricCollection
-from twinkle_megatron.metric.completion_reward import CompletionRewardMetric
-from twinkle_megatron.metric.dpo import DPOMetric
-from twinkle_megatron.metric.embedding import EmbeddingMetric
-from twinkle_megatron.metric.grpo import GRPOMetric
+from twinkle_megatron.metric.language.embedding import EmbeddingMetric
+from twinkle_megatron.metric.rl.completion_reward import CompletionRewardMetric
+from twinkle_megatron.metric.rl.dpo import DPOMetric
+from twinkle_megatron.metric.rl.grpo import GRPOMetric
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB, DIM, MICROBATCHES = 8, 8, 30, 32, 5, 2
 VARIANTS = [(0, False), (3, False), (0, True), (3, True)]  # (top_k_kl, with EmbeddingMetric)

@@ -11,8 +11,8 @@ from kit.guards import HostSyncError, count_collectives, forbid_host_sync
 from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import LossMetric, Metric, MetricCollection, TrainMetric
-from twinkle_megatron.metric.inputs import microbatches
-from twinkle_megatron.metric.tensors import token_mask
+from twinkle_megatron.metric.inputs.microbatches import microbatches
+from twinkle_megatron.metric.inputs.tensors import token_mask
 
 
 class LabelRange(Metric):

@@ -11,7 +11,7 @@ from kit.batches import RankView
 from kit.distributed import Layout, run_distributed
 from kit.invariance import Call, assert_layout_invariant, calculate_or_error
 
-from twinkle_megatron.metric.completion_reward import CompletionRewardMetric
+from twinkle_megatron.metric.rl.completion_reward import CompletionRewardMetric
 
 COMPLETIONS = 16
 

@@ -7,10 +7,11 @@ import importlib
 
 import pytest
 
-MODULES = ["twinkle_megatron.metric.accuracy", "twinkle_megatron.metric.token_stats",
-           "twinkle_megatron.metric.loss", "twinkle_megatron.metric.train", "twinkle_megatron.metric.grpo",
-           "twinkle_megatron.metric.dpo", "twinkle_megatron.metric.embedding",
-           "twinkle_megatron.metric.completion_reward", "twinkle_megatron.metric.ppo",
+MODULES = ["twinkle_megatron.metric.language.accuracy", "twinkle_megatron.metric.language.token_stats",
+           "twinkle_megatron.metric.language.loss", "twinkle_megatron.metric.language.train",
+           "twinkle_megatron.metric.rl.grpo",
+           "twinkle_megatron.metric.rl.dpo", "twinkle_megatron.metric.language.embedding",
+           "twinkle_megatron.metric.rl.completion_reward", "twinkle_megatron.metric.rl.ppo",
            "twinkle_megatron.metric.collection", "twinkle_megatron.ops.token_stats",
            "twinkle_megatron.testing.invariance"]
 

@@ -8,7 +8,7 @@ from kit.batches import RankView, split_microbatches
 from kit.distributed import Layout
 from kit.invariance import Call, assert_layout_invariant
 
-from twinkle_megatron.metric.dpo import DPOMetric
+from twinkle_megatron.metric.rl.dpo import DPOMetric
 
 BATCH, SEQ, BETA = 8, 12, 0.1
 

@@ -12,7 +12,7 @@ from kit.batches import RankView, split_microbatches
 from kit.distributed import Layout, run_distributed
 from kit.invariance import Call, assert_layout_invariant
 
-from twinkle_megatron.metric.embedding import EmbeddingMetric
+from twinkle_megatron.metric.language.embedding import EmbeddingMetric
 
 ROWS, SEQ, DIM = 16, 8, 6
 

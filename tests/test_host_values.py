@@ -1,4 +1,4 @@
-"""Python numbers are added on the host until the states are read (metric/host_values.py): no op per call, and
+"""Python numbers are added on the host until the states are read (metric/state/host_values.py): no op per call, and
 the same results as the same values given as tensors, in any order of updates, across a sync, a checkpoint and a
 reset."""
 
@@ -11,7 +11,7 @@ import torch
 from test_accumulate_ops import CountOps
 
 import twinkle_megatron as tm
-from twinkle_megatron.metric.base import Metric
+from twinkle_megatron.metric.state.base import Metric
 
 
 class Updates(Metric):

@@ -1,4 +1,4 @@
-"""The one input pipeline (``metric/microbatch_view.py``): each stage entered once per call, in one direction.
+"""The one input pipeline (``metric/inputs/view.py``): each stage entered once per call, in one direction.
 
 A call's ``(inputs, outputs, keywords)`` become one view per microbatch: stage 1 ``inputs`` (microbatches,
 per-call values), stage 2 ``sequences`` (per-sequence values), stage 3 ``context_parallel`` (the CP cut),

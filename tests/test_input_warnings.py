@@ -30,7 +30,7 @@ from twinkle_megatron import (
     TokenStatsMetric,
     TrainMetric,
 )
-from twinkle_megatron.metric.keywords import TWINKLE_CONSTRUCTOR_KEYWORDS, constructor_keywords
+from twinkle_megatron.metric.inputs.keywords import TWINKLE_CONSTRUCTOR_KEYWORDS, constructor_keywords
 
 ALL_METRICS = sorted({type(case.make()) for case in CASES}, key=lambda cls: cls.__name__)
 

@@ -45,6 +45,17 @@ ALLOWED = {
     "tracker": {"parallel", "metric", "megatron", "logging"},
     "testing": {"parallel", "ops", "metric", "megatron", "logging", "tracker"},
 }
+# Inside metric/, the pipeline's layers (twinkle_megatron/metric/__init__.py): which each may import.
+METRIC_LAYERS = {
+    "inputs": set(),
+    "state": {"inputs"},
+    "tokens": {"inputs", "state"},
+    "language": {"inputs", "state", "tokens"},
+    "rl": {"inputs", "state", "tokens"},
+    "collection": {"inputs", "state", "tokens", "language", "rl"},
+}
+# Layers that use the metrics through the package's public names only (twinkle_megatron.metric.__all__).
+METRIC_CLIENTS = ("megatron", "tracker")
 # Support for tests and CPU demos: never on the library's path.
 TOP_ONLY = "twinkle_megatron.testing"
 
@@ -179,3 +190,36 @@ def test_the_testing_package_init_imports_nothing():
     imports = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert imports == [], imports
 
+
+def test_metric_layers_import_one_way():
+    """inputs -> state -> tokens -> the metrics (language, rl: neither imports the other) -> the collection."""
+    offences = []
+    for module, targets in _graph().items():
+        parts = module.split(".")
+        if parts[:2] != ["twinkle_megatron", "metric"] or len(parts) < 3:
+            continue
+        layer = parts[2]
+        assert layer in METRIC_LAYERS, f"{module}: a metric module outside the layers {sorted(METRIC_LAYERS)}"
+        for target in targets:
+            other = target.split(".")
+            if other[:2] == ["twinkle_megatron", "metric"] and len(other) > 2 and other[2] != layer \
+                    and other[2] not in METRIC_LAYERS[layer]:
+                offences.append(f"{module} imports {target}")
+    assert not offences, "\n".join(offences)
+
+
+def test_the_hooks_and_the_tracker_use_the_metrics_public_names():
+    import twinkle_megatron.metric as metric
+
+    offences = []
+    for path in FILES:
+        module = _module_name(path)
+        if module.split(".")[1:2] not in ([layer] for layer in METRIC_CLIENTS):
+            continue
+        for target, names, line in _imports(path):
+            if target.startswith("twinkle_megatron.metric."):
+                offences.append(f"{module} line {line}: imports {target} (use twinkle_megatron.metric's names)")
+            elif target == "twinkle_megatron.metric":
+                offences += [f"{module} line {line}: {name} is not in twinkle_megatron.metric.__all__"
+                             for name in names if name not in metric.__all__]
+    assert not offences, "\n".join(offences)

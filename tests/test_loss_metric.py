@@ -167,7 +167,7 @@ def test_collection_state_dict_and_explicit_context():
 def test_reports_kept_until_the_sync_equal_the_reference_and_survive_a_change_in_place():
     """Device reports are copied at ``accumulate`` and folded when the states are read, past the bound too:
     the same result as the sum over the reports, whatever the caller does with its tensors afterwards."""
-    from twinkle_megatron.metric.loss import PENDING_REPORTS
+    from twinkle_megatron.metric.language.loss import PENDING_REPORTS
 
     generator = torch.Generator().manual_seed(0)
     count = 2 * PENDING_REPORTS + 3

@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
 from twinkle_megatron import keys
 from twinkle_megatron.megatron import MetricHookError, instrument, router_hooks
 from twinkle_megatron.megatron.router_hooks import MoERoutingHooks
-from twinkle_megatron.metric.moe_routing import MoERoutingMetric
+from twinkle_megatron.metric.language.moe_routing import MoERoutingMetric
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16,

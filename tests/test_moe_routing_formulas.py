@@ -14,7 +14,7 @@ from kit.guards import forbid_host_sync
 from kit.moe_cases import routing_map, small_moe_metric
 
 from twinkle_megatron import keys
-from twinkle_megatron.metric.moe_routing import MoERoutingMetric
+from twinkle_megatron.metric.language.moe_routing import MoERoutingMetric
 
 
 def test_formulas_on_a_hand_made_interval():

@@ -111,7 +111,7 @@ TRACKER_KEYS: tuple[tuple[str, str], ...] = (
 # Counters that must stay exact (TensorBoard stores float32: exact only up to 2**24).
 EXACT_COUNTERS = (CONSUMED_TOKENS,)
 
-# moe/: MoE routing health (twinkle_megatron.metric.moe_routing; formulas in its docstring). Aggregates
+# moe/: MoE routing health (twinkle_megatron.metric.language.moe_routing; formulas in its docstring). Aggregates
 # over the MoE layers; per-layer keys (opt-in) are moe_layer_key(layer, stat).
 MOE_PREFIX = "moe/"
 MOE_LAYERS = "moe/layers"
@@ -198,7 +198,7 @@ def layer_param_norm_key(part: str) -> str:
     return PARAM_NORM_PREFIX + part
 
 
-# Position buckets (``position_buckets=``, metric/positions.py): each key of a token-level metric is also reported
+# Position buckets (``position_buckets=``, metric/state/positions.py): each key of a token-level metric is also reported
 # per bucket of token positions, ``key/pos_<first>-<last>`` (``loss/pos_0-511``).
 _POSITION_BUCKET = re.compile(r"pos_(\d+)-(\d+)")
 

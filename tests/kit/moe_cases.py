@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 import torch
 
-from twinkle_megatron.metric.moe_routing import MoERoutingMetric
+from twinkle_megatron.metric.language.moe_routing import MoERoutingMetric
 
 NUM_EXPERTS = 4
 

@@ -1,6 +1,6 @@
 """Who returned each key: a spy on every ``compute`` that builds a record (metrics and the tracker's parts).
 
-A metric's :meth:`~twinkle_megatron.metric.base.Metric.results` is its
+A metric's :meth:`~twinkle_megatron.metric.state.base.Metric.results` is its
 ``compute`` of the global states and of each slice's (``key/<group>``), so the
 spy wraps ``results`` for metrics, and ``compute`` for the tracker's
 :class:`~twinkle_megatron.tracker.smoothing.RecordSmoothing` (not a metric).
@@ -12,7 +12,7 @@ import contextlib
 from collections import defaultdict
 from typing import Any, Iterator, Mapping
 
-from twinkle_megatron.metric.base import Metric
+from twinkle_megatron.metric.state.base import Metric
 from twinkle_megatron.tracker.smoothing import RecordSmoothing
 
 

@@ -11,8 +11,7 @@ import traceback
 from typing import Any, Optional
 
 from .. import keys
-from ..metric import Metric
-from ..metric.base import Number, SyncedStates
+from ..metric import Metric, Number, SyncedStates
 
 
 class MetricHookError(RuntimeError):

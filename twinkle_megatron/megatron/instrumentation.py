@@ -44,11 +44,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from .. import keys
-from ..metric import Metric, MetricCollection
-from ..metric.base import Number
-from ..metric.keywords import check_layout_declared
-from ..metric.logits_pass import logits_token_stats
-from ..metric.sample_losses import SampleLosses
+from ..metric import Metric, MetricCollection, Number, SampleLosses, check_layout_declared, logits_token_stats
 from ..parallel import ParallelContext
 from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
 from .fused_loss import FusedLoss, check_fused_loss
@@ -91,7 +87,7 @@ class MegatronInstrumentation:
     as megatron-core's ``BlendedDataset`` names it) or passed by ``forward_step``
     with :meth:`MegatronInstrumentation.record_group_ids`. ``position_buckets``,
     ``seq_length`` (default metrics): likewise per bucket of token positions
-    (``loss/pos_0-511``...; see :mod:`twinkle_megatron.metric.positions`).
+    (``loss/pos_0-511``...; see :mod:`twinkle_megatron.metric.state.positions`).
 
     ``fused_loss=True``: the model's language-model loss and the statistics from one pass over the logits, with
     Megatron's own gradient (see :mod:`.fused_loss`; what it refuses and why).

@@ -36,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..metric.base import Metric, Number, SyncedStates
+from ..metric import Metric, Number, SyncedStates
 from .router_hooks import MoERoutingHooks
 
 TOTAL_KEY = "moe/rollout_routing_mismatch"

@@ -7,7 +7,7 @@ the experts each token is dispatched to (top-k, after token dropping). The route
 runs *before* the token dispatcher (``MoELayer.route`` precedes ``dispatch``), so
 under expert parallelism it sees exactly its own rank's tokens. A forward hook on
 every router hands each counted call to
-:class:`~twinkle_megatron.metric.moe_routing.MoERoutingMetric` (the states and
+:class:`~twinkle_megatron.metric.language.moe_routing.MoERoutingMetric` (the states and
 formulas are there) and to :attr:`MoERoutingHooks.listeners` (e.g.
 :mod:`.rollout_routing`).
 
@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..metric.moe_routing import ROUTER_LOSSES, MoERoutingMetric
+from ..metric import ROUTER_LOSSES, MoERoutingMetric
 
 
 @dataclass

@@ -38,9 +38,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..metric.groups import TokenGroups, token_groups
-from ..metric.logits_pass import classify_tokens
-from ..metric.tensors import token_mask
+from ..metric import TokenGroups, classify_tokens, token_groups, token_mask
 from ..ops import TokenStats
 from ..parallel import ParallelContext
 

@@ -7,9 +7,9 @@ from typing import Any, Iterable, Mapping, Union
 
 import torch
 
-from .inputs import arrays_as_tensors
-from .logits_pass import STATISTICS, sharing_token_stats
-from .sync import Number, calculate_metrics, is_builtin, reduced_state_dicts
+from .inputs.microbatches import arrays_as_tensors
+from .state.sync import Number, calculate_metrics, is_builtin, reduced_state_dicts
+from .tokens.logits_pass import STATISTICS, sharing_token_stats
 
 
 class MetricCollection:

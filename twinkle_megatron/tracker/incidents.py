@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging.jsonl import restore_nonfinite, strict_json
-from ..metric.sample_losses import SampleLosses
+from ..metric import SampleLosses
 
 INCIDENTS_FILE = "incidents.jsonl"
 STEP_WIDE_RATIO = 1.5  # a sample below this × the step's loss is typical of its step

@@ -38,7 +38,7 @@ import torch
 
 from .. import keys
 from ..megatron.layer_grads import LayerParameters, loss_scale
-from ..metric.base import Metric, Number, SyncedStates
+from ..metric import Metric, Number, SyncedStates
 
 
 class LayerNorms(Metric):

@@ -2,7 +2,7 @@
 
 The tracker issues no collective of its own: at a log step its metrics
 (these two and :class:`~.throughput.Throughput`) are synced together with the
-user's metrics (:func:`~twinkle_megatron.metric.sync.sync`: one MAX and one
+user's metrics (:func:`~twinkle_megatron.metric.state.sync.sync`: one MAX and one
 SUM all-reduce in total), and each returns its part of the record from its own
 ``compute`` (keys in :mod:`twinkle_megatron.keys`).
 
@@ -24,8 +24,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from .. import keys
-from ..metric.base import Metric, Number, SyncedStates
-from ..metric.loss import LossMetric
+from ..metric import LossMetric, Metric, Number, SyncedStates
 from .memory import read_device_memory
 
 Value = Union[torch.Tensor, float, int]

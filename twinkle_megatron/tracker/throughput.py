@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import keys
-from ..metric.base import Metric, Number, SyncedStates
+from ..metric import Metric, Number, SyncedStates
 from .flops import FlopsCoefficients
 from .timer import StepTimer
 

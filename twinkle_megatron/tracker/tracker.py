@@ -3,7 +3,7 @@
 Per step (``end_step``) the tracker only records device values into its own
 metrics (no host sync, no collective). At a log step (step 1, every
 ``log_interval`` steps, and the last step at ``close()``) it reduces them
-together with the user's metrics in ONE sync (``metric/sync.py``: one MAX and
+together with the user's metrics in ONE sync (``metric/state/sync.py``: one MAX and
 one SUM all-reduce in total). Each part of the record (keys in
 ``twinkle_megatron.keys``) is returned by the ``compute`` of the object that
 owns its states: :class:`~.step_states.StepLoss` (the loss),
@@ -49,10 +49,7 @@ from .. import keys
 from ..logging import MetricsLogger, build_backend
 from ..megatron.layer_grads import LayerParameters
 from ..megatron.loss_reports import accumulate_loss_values, loss_values
-from ..metric.base import Metric
-from ..metric.collection import MetricCollection
-from ..metric.sample_losses import SampleLosses
-from ..metric.sync import calculate_each, calculate_metrics, merge_results
+from ..metric import Metric, MetricCollection, SampleLosses, calculate_each, calculate_metrics, merge_results
 from ..parallel import ParallelContext
 from .config import TrackerConfig
 from .flops import flops_coefficients, num_floating_point_operations
