@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import twinkle_megatron as tm
-from twinkle_megatron.metric import microbatch_view
+from twinkle_megatron.metric.inputs import view as microbatch_view
 from twinkle_megatron.parallel import ParallelContext
 
-METRIC = Path(tm.__file__).parent / "metric"
-STAGES = ["inputs.py", "sequences.py", "context_parallel.py", "packed.py"]
+METRIC = Path(tm.__file__).parent / "metric" / "inputs"
+STAGES = ["microbatches.py", "sequences.py", "context_parallel.py", "packed.py"]
 
 
 def stages_entered(call) -> list[str]:
@@ -85,7 +85,7 @@ def test_token_metrics_and_sequence_metrics_each_enter_once():
     for metric, (inputs, outputs, keywords) in calls.items():
         entered = stages_entered(lambda m=metric, i=inputs, o=outputs, k=keywords: m.accumulate(i, o, **k))
         assert_one_direction(entered)
-        assert entered[0] == "inputs.py" and "context_parallel.py" in entered, (type(metric).__name__, entered)
+        assert entered[0] == "microbatches.py" and "context_parallel.py" in entered, (type(metric).__name__, entered)
 
 
 def test_a_collection_builds_the_views_once_for_the_metrics_that_read_the_same():
