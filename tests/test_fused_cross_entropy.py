@@ -94,8 +94,10 @@ def test_layouts_and_bad_inputs():
     loss_t.backward(grad)
     torch.testing.assert_close(loss_t, loss)
     torch.testing.assert_close(bsv.grad.transpose(0, 1), sbv.grad)
-    with pytest.raises(ValueError, match="labels must be a tensor of shape"):
+    with pytest.raises(ValueError, match=r"labels has shape \(7, 1\) but logits has shape \(7, 3, 16\)"):
         vocab_parallel_cross_entropy_with_stats(logits.clone(), labels[:, :1])
+    with pytest.raises(TypeError, match="floating-point"):
+        vocab_parallel_cross_entropy_with_stats(logits.long(), labels)
     with pytest.raises(TypeError, match="integer"):
         vocab_parallel_cross_entropy_with_stats(logits.clone(), labels.float())
     with pytest.raises(ValueError, match="vocab_size"):
