@@ -139,7 +139,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         loss = log_z_all - torch.where(in_range, epilogue.label_logit, torch.zeros((), device=z_all.device))
 
         # A view made here cannot be saved: the logits themselves are, when they hold the exponentials.
-        in_logits = exps.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+        in_logits = exps is rows and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
         ctx.save_for_backward(logits if in_logits else exps, scale / z_all, flat_labels)
         ctx.layout = (tuple(logits.shape), order, in_logits, shard.start)
         ctx.mark_non_differentiable(argmax, epilogue.logprobs, epilogue.entropy)

@@ -38,19 +38,21 @@ def torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[to
                      need_sums: bool, exps: Optional[torch.Tensor] = None) -> LocalMaxima:
     """The local pass in torch over the real columns ``rows[:, :n_valid]``.
 
-    Returns the per-token local maximum (``cdtype``) and its first local column
-    (int64); with ``need_sums`` fills ``stats[0]`` (S0), ``stats[1]`` (S1) and,
+    Returns :class:`LocalMaxima`: the per-token local maximum (``cdtype``), its
+    first local column (int64) and the reference (the maximum itself here); with
+    ``need_sums`` fills ``stats[0]`` (S0), ``stats[1]`` (S1) and,
     given ``local_labels`` (label − shard start), ``stats[2]``: the label's
     logit where ``0 <= local_label < n_valid``, else 0. The Triton kernel
-    (:func:`.triton_token_stats.triton_local_pass`) has the same contract.
+    (:func:`.triton_token_stats.triton_local_pass`) has the same contract (it
+    returns the maximum and the column).
 
     With ``exps`` (an fp32 ``[T, V_l]`` buffer, which may be ``rows`` itself; needs
     ``need_sums``), every column of ``rows`` is read: the reference maximum
     ``m_r`` is over all of them, ``exps`` receives ``e^{x − m_r}`` (overwriting
     ``rows`` when it is the same buffer: the label's logit and the argmax are read
-    first), the label's logit is taken wherever ``0 <= local_label < V_l``, and,
-    when ``stats`` has a fourth row, ``stats[3]`` is ``Σ_{v >= n_valid} e^{x − m_r}``
-    (the padding columns' share).
+    first), the label's logit is taken wherever ``0 <= local_label < V_l``, and
+    ``stats[3]`` (a fourth row, needed when the shard has padding columns) is
+    ``Σ_{v >= n_valid} e^{x − m_r}``, the padding columns' share.
     """
     label_columns = n_valid if exps is None else rows.shape[1]
     if local_labels is not None:  # read before exps may overwrite the rows
@@ -84,9 +86,9 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
     device = rows.device
     if chunk_size is None:
         chunk_size = default_chunk_size(device, n_cols)
-    chunk_size = min(chunk_size, n_tokens)
+    chunk_size = min(chunk_size, max(n_tokens, 1))  # (no token: the fused loss's empty microbatch)
     # Without sums there is no working buffer to bound: the maxima are one op over all tokens.
-    pass_chunk = chunk_size if need_sums else n_tokens
+    pass_chunk = chunk_size if need_sums else max(n_tokens, 1)
     width = block_width(n_valid, argmax_only=not need_sums)
     n_full = n_valid // width if width else 0
     has_tail = bool(width) and n_full * width < n_valid
@@ -107,7 +109,7 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
         stop = min(start + pass_chunk, n_tokens)
         n = stop - start
         x = rows[start:stop]
-        if need_sums:
+        if need_sums:  # e: the exponentials (kept, or the work buffer's first row), d: its last row
             e, d = (work[0, :n] if exps is None else exps[start:stop]), work[-1, :n]
         if cast:
             x = e.copy_(x)
@@ -140,7 +142,7 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
         else:
             torch.sum(e[:, :n_valid], dim=-1, out=stats[0, start:stop])
             torch.sum(d[:, :n_valid], dim=-1, out=stats[1, start:stop])
-            if stats.shape[0] > 3 and n_cols > n_valid:
+            if n_cols > n_valid:
                 torch.sum(e[:, n_valid:], dim=-1, out=stats[3, start:stop])
 
     if need_sums:
