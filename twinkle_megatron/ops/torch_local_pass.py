@@ -95,12 +95,16 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
     # bf16/fp16 chunks are upcast once into a buffer; argmax-only needs no upcast at all.
     cast = need_sums and rows.dtype != cdtype
     table_dtype = cdtype if cast else rows.dtype
+    # With exps the first maximum's column is searched per chunk, before the exponentials overwrite the rows:
+    # the table of block maxima then holds one chunk, else every token (searched after the loop).
+    search_per_chunk = exps is not None
     if width:
-        block_max = torch.empty(n_tokens, n_full + has_tail, dtype=table_dtype, device=device)
+        block_max = torch.empty(pass_chunk if search_per_chunk else n_tokens, n_full + has_tail, dtype=table_dtype,
+                                device=device)
     local_max = torch.empty(n_tokens, dtype=table_dtype, device=device) if n_valid else None
     # Padding columns (read only when exps are kept) move the reference above the real maximum.
     reference = local_max if n_cols == n_valid else torch.empty(n_tokens, dtype=table_dtype, device=device)
-    columns = torch.empty(n_tokens, dtype=torch.int64, device=device) if n_valid and exps is not None else None
+    columns = torch.empty(n_tokens, dtype=torch.int64, device=device) if n_valid and search_per_chunk else None
     if need_sums:
         # Without exps: [0] e^{x-m}, [1] x-m then e^{x-m}(x-m), one sum over both gives (S0, S1).
         work = torch.empty(1 if exps is not None else 2, chunk_size, n_cols, dtype=cdtype, device=device)
@@ -117,14 +121,14 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
             m = local_max[start:stop]
             real = x[:, :n_valid]
             if width:
-                table = block_max[start:stop]
+                table = block_max[:n] if search_per_chunk else block_max[start:stop]
                 torch.amax(real[:, :n_full * width].unflatten(-1, (n_full, width)), dim=-1, out=table[:, :n_full])
                 if has_tail:
                     torch.amax(real[:, n_full * width:], dim=-1, keepdim=True, out=table[:, n_full:])
                 torch.amax(table, dim=-1, out=m)
             else:
                 torch.amax(real, dim=-1, out=m)
-            if columns is not None:
+            if search_per_chunk:
                 columns[start:stop] = first_max_column(real, table if width else None, width, n)
         if reference is not local_max:
             if n_valid:
@@ -147,7 +151,7 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
 
     if need_sums:
         del work
-    if columns is None and n_valid:
+    if n_valid and not search_per_chunk:
         columns = first_max_column(rows[:, :n_valid], block_max if width else None, width, pass_chunk)
     local_max = local_max.to(cdtype) if n_valid else None
     return LocalMaxima(local_max, columns, local_max if n_cols == n_valid else reference.to(cdtype))
