@@ -127,7 +127,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         flat_labels = token_order(labels, order).to(device=logits.device, dtype=torch.int64)
         exps = rows if rows.dtype == torch.float32 else torch.empty(rows.shape, dtype=torch.float32,
                                                                       device=rows.device)
-        local = calculate_local_pass(rows, shard, flat_labels, torch.float32, chunk_size, True, None, exps=exps)
+        local = calculate_local_pass(rows, shard, flat_labels, torch.float32, chunk_size, need_sums=True, kernel=None,
+                                     exps=exps)
         reference, argmax = calculate_global_max(local.keys, shard)  # collective 1
         sums, scale = calculate_global_sums(local, reference, shard)  # rescale, collective 2
         epilogue = calculate_epilogue(sums, reference, flat_labels, shard.vocab_size, ignore_index)
@@ -140,22 +141,22 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
         # A view made here cannot be saved: the logits themselves are, when they hold the exponentials.
         in_logits = exps is rows and rows.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-        ctx.save_for_backward(logits if in_logits else exps, scale / z_all, flat_labels)
-        ctx.layout = (tuple(logits.shape), order, in_logits, shard.start)
+        # The labels' local columns, a tensor of our own (the caller's labels may change before the backward).
+        ctx.save_for_backward(logits if in_logits else exps, scale / z_all, flat_labels - shard.start)
+        ctx.layout = (tuple(logits.shape), order, in_logits)
         ctx.mark_non_differentiable(argmax, epilogue.logprobs, epilogue.entropy)
         return tuple(restore_layout(t, lead_shape, order)
                      for t in (loss, argmax, epilogue.logprobs, epilogue.entropy))
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):  # noqa: D102
-        exps, factor, flat_labels = ctx.saved_tensors
-        shape, order, in_logits, shard_start = ctx.layout
+        exps, factor, local_labels = ctx.saved_tensors
+        shape, order, in_logits = ctx.layout
         if in_logits:
             exps = as_token_rows(exps)[0]
         grad = token_order(grad_loss, order).to(torch.float32)
         # softmax - one_hot, times the incoming gradient, in place in the saved exponentials (like Megatron).
         exps.mul_((factor * grad).unsqueeze(1))
-        local_labels = flat_labels - shard_start
         owned = (local_labels >= 0) & (local_labels < exps.shape[1])
         rows = torch.arange(exps.shape[0], device=exps.device)
         exps.index_put_((rows, local_labels.clamp(0, exps.shape[1] - 1)),
