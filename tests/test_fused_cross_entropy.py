@@ -76,6 +76,31 @@ def test_equals_megatron_loss_gradient_and_our_statistics(tp, true_vocab, dtype)
         assert torch.equal(result["loss"][0], results[0]["loss"][0]), "every TP rank gets the same loss"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ranks_holding_only_padding_columns(dtype):
+    """TP4 over 48 columns, 20 tokens: ranks 2 and 3 hold only padding, which Megatron's loss still covers."""
+    results = run_distributed(_compare, layout=Layout(tp=4), args=(48, 20, dtype, 2), timeout=120)
+    for rank, result in enumerate(results):
+        (loss, megatron_loss), (grad, megatron_grad) = result["loss"], result["grad"]
+        torch.testing.assert_close(loss, megatron_loss, rtol=1e-6, atol=0)
+        assert _rel(grad, megatron_grad) <= 1e-6, f"rank {rank}: gradient off by {_rel(grad, megatron_grad):.2e}"
+        ours, reference = result["stats"]
+        assert torch.equal(ours.argmax, reference.argmax) and bool((ours.argmax < 20).all())
+        torch.testing.assert_close(ours.logprobs, reference.logprobs, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(ours.entropy, reference.entropy, rtol=1e-5, atol=1e-5)
+        assert result["collectives"] == {"all_reduce": 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_microbatch_without_tokens(dtype):
+    logits = torch.randn(0, 3, 16, dtype=dtype, requires_grad=True)
+    loss, stats = vocab_parallel_cross_entropy_with_stats(logits * 1, torch.zeros(0, 3, dtype=torch.long),
+                                                          vocab_size=10)
+    loss.sum().backward()
+    assert loss.shape == stats.argmax.shape == stats.entropy.shape == (0, 3)
+    assert logits.grad.shape == logits.shape and logits.grad.dtype == dtype
+
+
 def test_fp32_logits_are_overwritten_like_megatrons_and_memory_is_the_logits():
     logits, labels, _ = full_inputs(16, torch.float32)
     work = logits.clone()
@@ -94,8 +119,10 @@ def test_layouts_and_bad_inputs():
     loss_t.backward(grad)
     torch.testing.assert_close(loss_t, loss)
     torch.testing.assert_close(bsv.grad.transpose(0, 1), sbv.grad)
-    with pytest.raises(ValueError, match="labels must be a tensor of shape"):
+    with pytest.raises(ValueError, match=r"labels has shape \(7, 1\) but logits has shape \(7, 3, 16\)"):
         vocab_parallel_cross_entropy_with_stats(logits.clone(), labels[:, :1])
+    with pytest.raises(TypeError, match="floating-point"):
+        vocab_parallel_cross_entropy_with_stats(logits.long(), labels)
     with pytest.raises(TypeError, match="integer"):
         vocab_parallel_cross_entropy_with_stats(logits.clone(), labels.float())
     with pytest.raises(ValueError, match="vocab_size"):

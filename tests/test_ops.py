@@ -43,7 +43,7 @@ from twinkle_megatron.ops import (
     vocab_parallel_token_stats,
 )
 from twinkle_megatron.ops.shard import decode_key, encode_key
-from twinkle_megatron.ops.torch_local_pass import first_max_column
+from twinkle_megatron.ops.torch_local_pass import first_max_column, torch_local_pass
 
 
 def op_results(shard: torch.Tensor, labels: torch.Tensor, vocab_size, group=None, chunks=(None,),
@@ -209,6 +209,42 @@ def test_two_level_argmax_matches_torch(n_cols: int) -> None:
             n_blocks = -(-n_cols // width)
             table = torch.stack([x[:, i * width:(i + 1) * width].amax(-1) for i in range(n_blocks)], dim=1)
             assert torch.equal(first_max_column(x, table, width, 4), x.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_local_pass_keeping_the_exponentials(dtype: torch.dtype) -> None:
+    """The fused loss's local pass (exponentials kept: for fp32 in the rows themselves), in chunks of 3 tokens:
+    the real columns' maximum and first column are the statistics' pass's, read before the rows are
+    overwritten; the reference is the maximum over every column, padding included; the exponentials, S0, S1
+    and the padding's share are relative to it; the label's logit is read wherever the label's column is local."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 4, (11, 300), generator=gen).to(dtype)  # many ties
+    n_valid = 290
+    x[0, 295] = 9.0  # a padding column above every real one
+    x[1, 289] = 8.0  # the last real column
+    labels = torch.tensor([295, 289, -5, 0, 300, 17, 299, 290, 3, 4, 5])
+    plain_stats = torch.zeros(3, 11)
+    plain = torch_local_pass(x, n_valid, labels, plain_stats, torch.float32, 3, True)
+    rows = x.clone()
+    exps = rows if dtype == torch.float32 else torch.empty(rows.shape)
+    stats = torch.zeros(4, 11)
+    kept = torch_local_pass(rows, n_valid, labels, stats, torch.float32, 3, True, exps=exps)
+
+    real = x[:, :n_valid].double()
+    assert torch.equal(kept.max, plain.max) and torch.equal(kept.max.double(), real.amax(-1))
+    assert torch.equal(kept.column, plain.column) and torch.equal(kept.column, real.argmax(-1))
+    reference = x.double().amax(-1, keepdim=True)
+    assert torch.equal(kept.reference.double(), reference[:, 0]) and kept.reference[0] == 9.0
+    e = (x.double() - reference).exp()
+    torch.testing.assert_close(exps.double(), e, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats[0].double(), e[:, :n_valid].sum(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats[1].double(), (e * (x.double() - reference))[:, :n_valid].sum(-1), rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(stats[3].double(), e[:, n_valid:].sum(-1), rtol=1e-6, atol=0)
+    owned = (labels >= 0) & (labels < 300)
+    label_logit = torch.where(owned, x.float().gather(1, labels.clamp(0, 299)[:, None])[:, 0], torch.tensor(0.0))
+    assert torch.equal(stats[2], label_logit)
+    assert torch.equal(plain_stats[2], torch.where(labels < n_valid, label_logit, torch.tensor(0.0)))
 
 
 def test_nonfinite_token_is_isolated() -> None:

@@ -217,7 +217,7 @@ def test_local_outputs_match_the_torch_loop(tiny_blocks) -> None:
     stats = torch.zeros(3, x.shape[0], device=DEVICE)
     local_max, local_col = tts.triton_local_pass(on_device(x), n_valid, on_device(labels), stats, True)
     ref_stats = torch.zeros(3, x.shape[0])
-    ref_max, ref_col = torch_local_pass(x, n_valid, labels, ref_stats, torch.float32, None, True)
+    ref_max, ref_col, _ = torch_local_pass(x, n_valid, labels, ref_stats, torch.float32, None, True)
     local_max, local_col, stats = local_max.cpu(), local_col.cpu(), stats.cpu()
     assert torch.equal(local_col, ref_col), [(n, int(a), int(b)) for n, a, b in zip(names, local_col, ref_col)
                                              if a != b]

@@ -78,7 +78,12 @@ The logits are read, never written. Nothing here synchronises with the host.
 
 Each step is a named function, in order: :func:`check_token_stats_inputs`, :func:`calculate_local_pass`,
 :func:`calculate_global_max` (collective 1), :func:`calculate_global_sums` (rescale, collective 2),
-:func:`calculate_entropy` and :func:`calculate_label_logprobs` (the epilogue).
+:func:`calculate_epilogue` (entropy and log-prob). The fused loss
+(:mod:`.fused_cross_entropy`) runs the same steps: its local pass also keeps the
+exponentials for the backward and reads the padding columns, which Megatron's
+loss covers (the reference maximum is then over every column, its key a second
+row of collective 1, and the padding columns' share of :math:`Z` a fourth row of
+collective 2; entropy and log-prob do not depend on the reference).
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ import torch.distributed as dist
 
 from .kernel_select import choose_kernel, triton_local_pass
 from .shard import Shard, as_token_rows, compute_dtype, decode_key, encode_key, key_floor, restore_layout, token_order
-from .torch_local_pass import torch_local_pass
+from .torch_local_pass import LocalMaxima, torch_local_pass
 
 __all__ = ["ArgmaxStats", "TokenStats", "vocab_parallel_argmax", "vocab_parallel_argmax_stats",
            "vocab_parallel_entropy", "vocab_parallel_logprobs", "vocab_parallel_token_stats"]
@@ -262,20 +267,15 @@ def _token_stats(logits: torch.Tensor, labels: Optional[torch.Tensor], group: Op
         return empty_token_stats(lead_shape, cdtype, logits.device, labels is not None, need_sums)
     flat_labels = None if labels is None else token_order(labels, order).to(device=logits.device, dtype=torch.int64)
     local = calculate_local_pass(rows, shard, flat_labels, cdtype, chunk_size, need_sums, kernel)
-    global_max, argmax = calculate_global_max(local.keys, shard)  # collective 1
+    reference, argmax = calculate_global_max(local.keys, shard)  # collective 1
     argmax = restore_layout(argmax, lead_shape, order)
     if not need_sums:
         return TokenStats(argmax, None, None)
-    global_max = global_max.to(cdtype)
-    stats = calculate_global_sums(local, global_max, shard)  # rescale, collective 2
-    log_z = torch.log(stats[0])
-    entropy = calculate_entropy(stats, log_z)
-    logprobs = None
-    if flat_labels is not None:
-        logprobs = calculate_label_logprobs(stats, global_max, log_z, entropy, flat_labels, shard.vocab_size,
-                                            ignore_index)
-        logprobs = restore_layout(logprobs, lead_shape, order)
-    return TokenStats(argmax, logprobs, restore_layout(entropy, lead_shape, order))
+    reference = reference.to(cdtype)
+    sums = calculate_global_sums(local, reference, shard).sums  # rescale, collective 2
+    epilogue = calculate_epilogue(sums, reference, flat_labels, shard.vocab_size, ignore_index)
+    logprobs = None if flat_labels is None else restore_layout(epilogue.logprobs, lead_shape, order)
+    return TokenStats(argmax, logprobs, restore_layout(epilogue.entropy, lead_shape, order))
 
 
 def check_token_stats_inputs(logits: torch.Tensor, labels: Optional[torch.Tensor], chunk_size: Optional[int]) -> None:
@@ -306,9 +306,14 @@ def empty_token_stats(lead_shape: torch.Size, cdtype: torch.dtype, device: torch
 
 
 class LocalPass(NamedTuple):
-    """This rank's part of every token: its maximum ``m_r`` (None on a rank of padding columns only), the
-    int64 keys packing ``m_r`` and its global column (:mod:`.shard`; None when not asked for), and
-    ``stats [3, T]`` (S0, S1 relative to ``m_r``, the label's logit or 0 off its owner; None without sums)."""
+    """This rank's part of every token (``[T]`` each unless said).
+
+    ``max``: the maximum ``m_r`` the sums are relative to (None on a rank of padding columns only, unless the
+    exponentials are kept). ``keys``: the int64 keys packing the real columns' maximum and its global column
+    (:mod:`.shard`; None when not asked for); ``[2, T]`` when the sums' reference covers padding columns (kept
+    exponentials of a padded vocabulary): row 1 is then the key of ``m_r``. ``stats``: ``[3, T]`` (S0, S1
+    relative to ``m_r``, the label's logit or 0 off its owner), ``[4, T]`` with the padding columns' share
+    ``Σ_{v >= V} e^{x−m_r}`` as row 3; None without sums."""
 
     max: Optional[torch.Tensor]
     keys: Optional[torch.Tensor]
@@ -318,64 +323,103 @@ class LocalPass(NamedTuple):
 
 def calculate_local_pass(rows: torch.Tensor, shard: Shard, flat_labels: Optional[torch.Tensor], cdtype: torch.dtype,
                          chunk_size: Optional[int], need_sums: bool, kernel: Optional[str],
-                         flag_minus_inf: bool = False, with_keys: bool = True) -> LocalPass:
+                         flag_minus_inf: bool = False, with_keys: bool = True,
+                         exps: Optional[torch.Tensor] = None) -> LocalPass:
     """The local pass over this rank's real columns, by the implementation :func:`.choose_kernel` picks
     (the torch loop or the Triton kernel: same outputs, same contract). ``flag_minus_inf``: a token whose
     real columns hold a ``-inf`` gets a NaN maximum, so that its key is non-finite too (the argmax-only pass);
-    without ``with_keys`` (one rank: nothing to all-reduce) the columns come unpacked instead of the keys."""
+    without ``with_keys`` (one rank: nothing to all-reduce) the columns come unpacked instead of the keys.
+
+    ``exps`` (the fused loss: an fp32 ``[T, V_l]`` buffer, possibly ``rows`` itself) keeps the exponentials
+    for a backward: the torch loop then reads every local column, padding included, and writes
+    ``e^{x − m_r}`` there (:func:`.torch_local_pass`); the kernel keeps nothing, so it is not chosen."""
     n_tokens, device = rows.shape[0], rows.device
-    stats = torch.zeros(3, n_tokens, dtype=cdtype, device=device) if need_sums else None
-    if shard.n_valid == 0:  # this rank holds only padding columns
+    padding_share = exps is not None and shard.padded  # the sums' reference covers padding columns
+    stats = torch.zeros(3 + padding_share, n_tokens, dtype=cdtype, device=device) if need_sums else None
+    if shard.n_valid == 0 and exps is None:  # this rank holds only padding columns
         return LocalPass(None, torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device), stats)
     local_labels = flat_labels - shard.start if flat_labels is not None and need_sums else None
-    if choose_kernel(kernel, rows) == "triton":
+    if exps is None and choose_kernel(kernel, rows) == "triton":
         local_max, local_col = triton_local_pass()(rows, shard.n_valid, local_labels, stats, need_sums)
+        maxima = LocalMaxima(local_max, local_col, local_max)
     else:
-        local_max, local_col = torch_local_pass(rows, shard.n_valid, local_labels, stats, cdtype, chunk_size,
-                                                need_sums)
+        maxima = torch_local_pass(rows, shard.n_valid, local_labels, stats, cdtype, chunk_size, need_sums, exps)
+    local_max = maxima.max
     if flag_minus_inf:
         local_max = local_max.masked_fill(rows[:, :shard.n_valid].amin(dim=-1) == float("-inf"), float("nan"))
     if not with_keys:
-        return LocalPass(local_max.to(cdtype), None, stats, local_col + shard.start)
-    keys = encode_key(local_max, local_col + shard.start, shard.vocab_size)
-    return LocalPass(local_max.to(cdtype), keys, stats)
+        return LocalPass(local_max.to(cdtype), None, stats, maxima.column + shard.start)
+    if local_max is None:  # padding columns only, with kept exponentials: no argmax candidate here
+        keys = torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device)
+    else:
+        keys = encode_key(local_max, maxima.column + shard.start, shard.vocab_size)
+    if padding_share:
+        keys = torch.stack([keys, encode_key(maxima.reference, torch.zeros_like(keys), shard.vocab_size)])
+    return LocalPass(maxima.reference.to(cdtype), keys, stats)
 
 
 def calculate_global_max(keys: torch.Tensor, shard: Shard) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collective 1: all-reduce MAX of the keys; the global maximum ``m`` and argmax (lowest column on ties)."""
+    """Collective 1: all-reduce MAX of the keys; the global maximum ``M`` the sums are rescaled to, and the
+    argmax (lowest column on ties). ``M`` is the real columns' maximum, or with ``[2, T]`` keys (a reference
+    over padding columns too) the maximum over every column."""
     if shard.group is not None:
         dist.all_reduce(keys, op=dist.ReduceOp.MAX, group=shard.group)
-    return decode_key(keys, shard.vocab_size)
+    if keys.dim() == 1:
+        return decode_key(keys, shard.vocab_size)
+    argmax = decode_key(keys[0], shard.vocab_size)[1]
+    return decode_key(keys[1], shard.vocab_size)[0], argmax
 
 
-def calculate_global_sums(local: LocalPass, global_max: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """Rescale this rank's sums to the global maximum (``δ = m_r − m``), then collective 2: all-reduce SUM
-    of the packed ``[3, T]`` buffer, giving ``Z``, ``Σ e^{x−m}(x−m)`` and the label's logit."""
-    stats = local.stats
+class GlobalSums(NamedTuple):
+    """The sums of every rank relative to ``M`` (:func:`calculate_global_sums`), and this rank's
+    ``e^{m_r − M}`` (None on a rank without a maximum), which turns its own ``e^{x − m_r}`` into ``e^{x − M}``."""
+
+    sums: torch.Tensor
+    scale: Optional[torch.Tensor]
+
+
+def calculate_global_sums(local: LocalPass, reference: torch.Tensor, shard: Shard) -> GlobalSums:
+    """Rescale this rank's sums to the global maximum ``M`` (``δ = m_r − M``), then collective 2: all-reduce
+    SUM of the packed ``[3 or 4, T]`` buffer, giving ``Z``, ``Σ e^{x−M}(x−M)``, the label's logit (and the
+    padding columns' share)."""
+    stats, scale = local.stats, None
     if local.max is not None:  # (delta == 0 without a group, except for float64's float32 key)
-        delta = local.max - global_max
+        delta = local.max - reference
         scale = torch.exp(delta)
         s0, s1 = stats[0], stats[1]
         s1.addcmul_(delta, s0).mul_(scale)
         s0.mul_(scale)
+        if stats.shape[0] > 3:
+            stats[3].mul_(scale)
     if shard.group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=shard.group)
-    return stats
+    return GlobalSums(stats, scale)
 
 
-def calculate_entropy(stats: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
-    """``H = log Z − S1 / Z`` (two non-negative terms: no cancellation); NaN for a non-finite logit."""
-    return log_z - stats[1] / stats[0]
+class Epilogue(NamedTuple):
+    """The per-token results of :func:`calculate_epilogue`, ``[T]`` each."""
+
+    log_z: torch.Tensor
+    """``log Z`` over the true vocabulary."""
+    entropy: torch.Tensor
+    label_logit: Optional[torch.Tensor]
+    """``x_y − M`` (``−M`` where no rank owns ``y``); None without labels."""
+    logprobs: Optional[torch.Tensor]
+    """``log p(y)``, with the NaN and ``ignore_index`` rules; None without labels."""
 
 
-def calculate_label_logprobs(stats: torch.Tensor, global_max: torch.Tensor, log_z: torch.Tensor,
-                             entropy: torch.Tensor, flat_labels: torch.Tensor, vocab_size: int,
-                             ignore_index: int) -> torch.Tensor:
-    """``log p(y) = x_y − m − log Z``; NaN for a label outside ``[0, V)`` or a token whose entropy is not
-    finite, 0 for ``ignore_index`` (which wins)."""
-    cdtype, device = stats.dtype, stats.device
-    nan = torch.full((), float("nan"), dtype=cdtype, device=device)
-    logprobs = stats[2] - global_max - log_z
+def calculate_epilogue(sums: torch.Tensor, reference: torch.Tensor, flat_labels: Optional[torch.Tensor],
+                       vocab_size: int, ignore_index: int) -> Epilogue:
+    """From the global sums relative to ``M``: ``H = log Z − S1 / Z`` (two non-negative terms: no
+    cancellation; NaN for a non-finite logit) and ``log p(y) = (x_y − M) − log Z``, NaN for a label outside
+    ``[0, V)`` or a token whose entropy is not finite, 0 for ``ignore_index`` (which wins)."""
+    log_z = torch.log(sums[0])
+    entropy = log_z - sums[1] / sums[0]
+    if flat_labels is None:
+        return Epilogue(log_z, entropy, None, None)
+    cdtype, device = sums.dtype, sums.device
+    label_logit = sums[2] - reference
     valid = (flat_labels >= 0) & (flat_labels < vocab_size) & torch.isfinite(entropy)
-    logprobs = torch.where(valid, logprobs, nan)
-    return torch.where(flat_labels == ignore_index, torch.zeros((), dtype=cdtype, device=device), logprobs)
+    logprobs = torch.where(valid, label_logit - log_z, torch.full((), float("nan"), dtype=cdtype, device=device))
+    logprobs = torch.where(flat_labels == ignore_index, torch.zeros((), dtype=cdtype, device=device), logprobs)
+    return Epilogue(log_z, entropy, label_logit, logprobs)
