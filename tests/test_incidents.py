@@ -385,3 +385,27 @@ def test_a_step_wide_incident_blames_the_step_and_skips_nothing(tmp_path):
         path.mkdir()
         (path / "incidents.jsonl").write_text(json.dumps(incident) + "\n")
         assert read_skip_list(str(path), per_incident=4) == skipped, name
+
+
+def test_a_harder_dataset_is_not_blamed_for_being_hard(tmp_path):
+    """A blend whose 'hard' corpus always runs above the step's loss: its ordinary samples are typical (their
+    reference is their own dataset's other listed samples); one sample far above its dataset's is not."""
+    from twinkle_megatron.tracker.incidents import assess
+
+    def incident(hard_losses):
+        samples = [{"sample_index": 20 + i, "dataset_id": 1, "dataset": "hard", "loss": value, "tokens": 7,
+                    "step": 5, "complete": True} for i, value in enumerate(hard_losses)]
+        samples.append({"sample_index": 99, "dataset_id": 0, "dataset": "easy", "loss": 0.45, "tokens": 7,
+                        "step": 5, "complete": True})
+        return assess({"step": 5, "reasons": ["loss_spike"], "loss": 1.6, "samples": samples,
+                       "dataset_losses": {"easy": 0.41, "hard": 2.7}})
+
+    ordinary = incident([2.9, 2.8, 2.75, 2.7])  # each > 1.5 x the step's 1.6, all like their own corpus
+    assert ordinary["step_wide"] is True
+    outlier = incident([9.0, 2.8, 2.75, 2.7])
+    assert outlier["step_wide"] is False and outlier["samples"][0]["loss_over_step"] > 3
+    for name, value, skipped in (("ordinary", ordinary, set()), ("outlier", outlier, {20})):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "incidents.jsonl").write_text(json.dumps(value) + "\n")
+        assert read_skip_list(str(path), per_incident=5) == skipped, name

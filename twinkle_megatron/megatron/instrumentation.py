@@ -134,8 +134,8 @@ class MegatronInstrumentation:
         self._calls_in_forward = 0
         self._current: dict = {}
         self._lazy = model is None  # hooks attach to the chunks the wrapped forward_step receives
-        self._chunks_seen: dict[int, torch.nn.Module] = {}
-        self._hooked: set[int] = set()
+        self._chunks_seen: set[torch.nn.Module] = set()  # modules hash by identity; held, so never reused
+        self._hooked: set[torch.nn.Module] = set()
         self._failure_warned = False
         # With fused_loss the statistics come from the loss's own pass (megatron/fused_loss.py), not a hook.
         self.fused_loss = FusedLoss(self._capture_stats, lambda: self.context.tp_group, self.vocab_size,
@@ -147,9 +147,9 @@ class MegatronInstrumentation:
         if self.fused_loss is not None:
             check_fused_loss(chunks)  # before any hook is attached: a refusal leaves the model as it was
         for gpt in language_models(chunks):
-            if id(gpt) in self._hooked:
+            if gpt in self._hooked:
                 continue
-            self._hooked.add(id(gpt))
+            self._hooked.add(gpt)
             # The signature is read once here, not per microbatch.
             before = functools.partial(self._before_model, inspect.signature(gpt.forward))
             self._handles.append(gpt.register_forward_pre_hook(before, with_kwargs=True))
@@ -162,10 +162,10 @@ class MegatronInstrumentation:
     def _attach_lazily(self, model: Any) -> None:
         """On a chunk's first microbatch: its hooks (virtual pipeline stages arrive one chunk per call)."""
         chunks = [m for m in (model if isinstance(model, (list, tuple)) else [model]) if isinstance(m, torch.nn.Module)]
-        new = [chunk for chunk in chunks if id(chunk) not in self._chunks_seen]
+        new = [chunk for chunk in chunks if chunk not in self._chunks_seen]
         if not new:
             return
-        self._chunks_seen.update((id(chunk), chunk) for chunk in new)
+        self._chunks_seen.update(new)
         self._attach(new)
         if self._moe_wanted and find_routers(new):
             self._moe_wanted = False  # its metric must exist before anything reads the collection

@@ -18,6 +18,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..metric import common_device, to_device
+
 LossValue = Union[torch.Tensor, float]  # a [sum, count] tensor, or a mean (0-d tensor or number)
 
 
@@ -90,7 +92,8 @@ def accumulate_loss_values(metric: Any, values: Sequence[LossValue]) -> tuple[An
     flags = [torch.as_tensor(p[0]) for p in pairs] + [torch.as_tensor(m, dtype=torch.float64) for m in means]
     nonfinite: Any = 0.0
     if flags:
-        device = flags[0].device
-        nonfinite = (~torch.isfinite(torch.stack([f.reshape(()).to(device) for f in flags]))).any().to(torch.float64)
+        device = common_device(flags)
+        nonfinite = (~torch.isfinite(torch.stack([to_device(f.reshape(()), device) for f in flags]))).any()
+        nonfinite = nonfinite.to(torch.float64)
     count = torch.stack([p[1] for p in pairs]).sum() if pairs else None
     return nonfinite, count

@@ -55,7 +55,9 @@ class StepStarts:
     """
 
     def __init__(self) -> None:
-        self._layers: dict[int, Optional[torch.nn.Module]] = {}  # chunk id -> its first decoder layer
+        # Each chunk (held: a module hashes by identity, and holding it keeps that identity its own) and its
+        # first decoder layer.
+        self._layers: dict[torch.nn.Module, Optional[torch.nn.Module]] = {}
         self._calls = 0
 
     def __call__(self, model: Any) -> bool:
@@ -63,9 +65,9 @@ class StepStarts:
         chunk = model[0] if isinstance(model, (list, tuple)) and model else model
         microbatch = None
         if isinstance(chunk, torch.nn.Module):
-            if id(chunk) not in self._layers:
-                self._layers[id(chunk)] = _first_decoder_layer(chunk)
-            microbatch = getattr(self._layers[id(chunk)], "current_microbatch", None)
+            if chunk not in self._layers:
+                self._layers[chunk] = _first_decoder_layer(chunk)
+            microbatch = getattr(self._layers[chunk], "current_microbatch", None)
         if microbatch is None:
             return self._calls & (self._calls - 1) == 0
         return microbatch == 0

@@ -15,7 +15,7 @@ Everything outside ``metric/`` (the hooks of ``megatron/``, the ``tracker/``) us
 
 from .collection import MetricCollection
 from .inputs.keywords import MetricInputWarning, check_layout_declared
-from .inputs.tensors import token_mask
+from .inputs.tensors import common_device, to_device, token_mask
 from .language.accuracy import Accuracy
 from .language.embedding import EmbeddingMetric
 from .language.loss import LossMetric
@@ -41,5 +41,5 @@ __all__ = [
     "MetricInputWarning", "MoERoutingMetric",
     # for the hooks (megatron/) and the tracker: the one sync, token classification, slices, values
     "Number", "calculate_each", "merge_results", "check_layout_declared", "token_mask", "TokenGroups",
-    "token_groups", "classify_tokens", "logits_token_stats", "ROUTER_LOSSES",
+    "token_groups", "classify_tokens", "logits_token_stats", "ROUTER_LOSSES", "common_device", "to_device",
 ]

@@ -1,4 +1,5 @@
-"""Many metrics fed from one ``accumulate`` call and synced together (at most two collectives, see :mod:`.sync`)."""
+"""Many metrics fed from one ``accumulate`` call and synced together (at most two collectives, see
+:mod:`.state.sync`)."""
 
 from __future__ import annotations
 

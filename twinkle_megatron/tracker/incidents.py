@@ -23,21 +23,24 @@ a non-finite number is ``null``, named in ``"nonfinite"``)::
      "layers": [{"part": "layer_03", "grad_norm": 12.5}, ...]}
 
 ``samples``: the interval's highest-loss samples, highest first (see
-``SampleLosses``), each with ``loss_over_step`` = its loss / the interval's
-``loss`` (all samples of all datasets); ``dataset_losses`` and
-``position_losses``: the interval's ``loss/<name>`` values of the datasets and of
-the position buckets; ``layers``: the parts with the largest gradient norms
-(with ``record_grad_norms``).
+``SampleLosses``), each with ``loss_over_step`` = its loss / the typical loss of
+its step (below); ``dataset_losses`` and ``position_losses``: the interval's
+``loss/<name>`` values of the datasets and of the position buckets; ``layers``:
+the parts with the largest gradient norms (with ``record_grad_norms``).
 
-**Data or step.** A sample is *typical of its step* when its loss is below
-:data:`STEP_WIDE_RATIO` × the interval's loss; a non-finite sample is typical
+**Data or step.** A sample's reference is the median loss of the other listed
+samples of its dataset when at least two are listed (a dataset whose samples
+all run high, the harder corpus of a blend, is not blamed for being hard), else
+the interval's loss over all samples (a dataset with one sample in the interval
+is never its own reference). A sample is *typical of its step* when its loss is
+below :data:`STEP_WIDE_RATIO` × its reference; a non-finite sample is typical
 only when every listed sample is non-finite (at least two). ``step_wide`` is
 true when every listed sample is typical: the whole step is high (the
-optimizer, the learning rate), not a few samples. The step's loss is the
-reference rather than each dataset's because a dataset with one sample in the
-interval would be its own reference. ``nonfinite_samples`` counts the listed
-samples with a non-finite loss. :func:`read_skip_list` turns the file into the
-sample indices to skip: never a typical sample.
+optimizer, the learning rate), not a few samples. With ``log_interval`` > 1 the
+references are the interval's (each sample names its step).
+``nonfinite_samples`` counts the listed samples with a non-finite loss.
+:func:`read_skip_list` turns the file into the sample indices to skip: never a
+typical sample.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ from ..logging.jsonl import restore_nonfinite, strict_json
 from ..metric import SampleLosses
 
 INCIDENTS_FILE = "incidents.jsonl"
-STEP_WIDE_RATIO = 1.5  # a sample below this × the step's loss is typical of its step
+STEP_WIDE_RATIO = 1.5  # a sample below this × its reference loss is typical of its step
+_PEERS = 2  # listed samples of the same dataset needed to be a sample's reference
 _LAYERS_REPORTED = 5
 
 
@@ -124,25 +128,41 @@ class IncidentReporter:
 
 def assess(incident: dict[str, Any]) -> dict[str, Any]:
     """Add (in place) each sample's ``loss_over_step``, ``nonfinite_samples`` and ``step_wide`` (see the module
-    docstring); ``step_wide`` is None when there is nothing to judge by (no samples, or no finite step loss
+    docstring); ``step_wide`` is None when there is nothing to judge by (no samples, or no finite reference
     for finite samples). Returns ``incident``."""
     samples = incident.get("samples") or []
     step_loss = incident.get("loss")
-    usable = isinstance(step_loss, (int, float)) and math.isfinite(step_loss) and step_loss > 0
+    usable = _finite(step_loss) and step_loss > 0
     nonfinite = sum(1 for sample in samples if not _finite(sample.get("loss")))
-    for sample in samples:
-        finite = _finite(sample.get("loss"))
-        sample["loss_over_step"] = sample["loss"] / step_loss if finite and usable else None
+    for position, sample in enumerate(samples):
+        reference = _typical_loss(samples, position, step_loss if usable else None)
+        sample["loss_over_step"] = sample["loss"] / reference if _finite(sample.get("loss")) and reference else None
     incident["nonfinite_samples"] = nonfinite
     if not samples:
         incident["step_wide"] = None
     elif nonfinite:
         incident["step_wide"] = nonfinite == len(samples) and nonfinite >= 2
-    elif not usable:
+    elif any(sample["loss_over_step"] is None for sample in samples):
         incident["step_wide"] = None
     else:
         incident["step_wide"] = all(sample["loss_over_step"] < STEP_WIDE_RATIO for sample in samples)
     return incident
+
+
+def _typical_loss(samples: list[Mapping[str, Any]], position: int, step_loss: Optional[float]) -> Optional[float]:
+    """What the sample at ``position`` is compared with: the median loss of the other listed samples of its
+    dataset when there are at least :data:`_PEERS` of them (a dataset whose samples all run high, a harder
+    corpus in a blend, is not blamed), else the interval's loss over all samples (a dataset with one sample in
+    the interval is never its own reference)."""
+    sample = samples[position]
+    peers = sorted(other["loss"] for index, other in enumerate(samples)
+                   if index != position and other.get("dataset_id") == sample.get("dataset_id")
+                   and _finite(other.get("loss")))
+    if len(peers) >= _PEERS:
+        middle = len(peers) // 2
+        median = peers[middle] if len(peers) % 2 else (peers[middle - 1] + peers[middle]) / 2
+        return median if median > 0 else None
+    return step_loss
 
 
 def is_typical(sample: Mapping[str, Any], incident: Mapping[str, Any]) -> bool:
@@ -171,7 +191,7 @@ _COMPACT_KEYS = (keys.GRAD_NORM_TOTAL, keys.GRAD_NORM_LAYER_MAX, keys.GRAD_NORM_
 
 def format_incident(incident: Mapping[str, Any]) -> str:
     """One line: the step, why, its loss, learning rate and grad norm, then what is to blame: the top sample
-    (index, dataset, loss, its ratio to the step's loss), the count of non-finite samples, or "step-wide";
+    (index, dataset, loss, its ratio to its reference loss), the count of non-finite samples, or "step-wide";
     and the largest layer."""
     text = f"[incident] step {incident['step']}: {', '.join(incident['reasons'])}"
     numbers = [f"loss {_number(incident['loss'])}"] if "loss" in incident else []
@@ -186,14 +206,14 @@ def format_incident(incident: Mapping[str, Any]) -> str:
     if incident.get("step_wide") and nonfinite:
         text += f"; {nonfinite} non-finite samples, every one listed: step-wide (the optimizer, not the data)"
     elif incident.get("step_wide"):
-        text += f"; step-wide: every listed sample within {STEP_WIDE_RATIO}x the step's loss (the optimizer, " \
+        text += f"; step-wide: every listed sample within {STEP_WIDE_RATIO}x its step's typical loss (the optimizer, " \
                 "not the data)"
     elif samples:
         top = samples[0]
         dataset = top.get("dataset", top.get("dataset_id"))
         ratio = top.get("loss_over_step")
         text += f"; top sample {top.get('sample_index')} (dataset {dataset}, loss {_number(top['loss'])}, " \
-                + (f"{ratio:.3g}x the step's loss, " if ratio is not None else "") + f"step {top['step']})"
+                + (f"{ratio:.3g}x its step's typical loss, " if ratio is not None else "") + f"step {top['step']})"
         if nonfinite:
             text += f"; {nonfinite} non-finite sample{'s' if nonfinite > 1 else ''}"
     layers = incident.get("layers") or []

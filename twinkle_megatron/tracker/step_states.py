@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from .. import keys
-from ..metric import LossMetric, Metric, Number, SyncedStates
+from ..metric import LossMetric, Metric, Number, SyncedStates, common_device, to_device
 from .memory import read_device_memory
 
 Value = Union[torch.Tensor, float, int]
@@ -152,13 +152,15 @@ class NonfiniteLossCounts:
 
 def any_flag(flags: Sequence[Any]) -> Any:
     """The max of 0/1 flags (numbers or device tensors): a number when all are numbers, else a float64 tensor on
-    the accelerator any of them is on (CPU values are copied up, never device values down: no host wait)."""
+    the accelerator any of them is on. Numbers are folded on the host, tensors on the device (CPU tensors are
+    copied up without a host wait, never device values down)."""
     tensors = [flag for flag in flags if isinstance(flag, torch.Tensor)]
+    on_host = max((float(flag) for flag in flags if not isinstance(flag, torch.Tensor)), default=0.0)
     if not tensors:
-        return max(flags, default=0.0)
-    device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
-    return torch.stack([torch.as_tensor(flag).to(device=device, dtype=torch.float64).reshape(())
-                        for flag in flags]).amax()
+        return on_host
+    device = common_device(tensors)
+    flag = torch.stack([to_device(t.detach().reshape(()), device).to(torch.float64) for t in tensors]).amax()
+    return flag.clamp_min(on_host) if on_host else flag
 
 
 def skipped_flag(update_successful: Any) -> Any:

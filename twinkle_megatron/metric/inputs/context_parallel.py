@@ -100,7 +100,7 @@ def align_to_cp_rank(tensors: SequenceTensors, context: ParallelContext, cp_gath
 def align_microbatches(microbatches: Sequence[SequenceTensors], batches: Sequence[Any], context: ParallelContext,
                        cp_gathered: Optional[bool], matched: Sequence[bool], positions: bool = False
                        ) -> list[CPAlignment]:
-    """Stage 3 of the input pipeline (:mod:`.microbatch_view`): :func:`align_to_cp_rank` for each ``matched``
+    """Stage 3 of the input pipeline (:mod:`.view`): :func:`align_to_cp_rank` for each ``matched``
     microbatch of a call (``batches``: their inputs, for the local length of :func:`local_sequence_length`);
     the others' tensors as given, complete as ``cp_gathered`` declares (statistics a hook computed from this
     rank's logits). With each token's position in the whole row (:func:`global_positions`) when ``positions``."""

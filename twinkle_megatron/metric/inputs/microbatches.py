@@ -114,7 +114,7 @@ def with_call_values(source: Mapping[str, Any], kwargs: Mapping[str, Any], outpu
 
 def call_microbatches(inputs: Any, outputs: Optional[Mapping[str, Any]], kwargs: Mapping[str, Any],
                       keys: Sequence[str], per_call: Sequence[str] = ()) -> tuple[list[MicroBatch], dict[str, Any]]:
-    """Stage 1 of the input pipeline (:mod:`.microbatch_view`): the call's microbatches, each paired with the
+    """Stage 1 of the input pipeline (:mod:`.view`): the call's microbatches, each paired with the
     output ``keys`` present and its ``group_ids`` (the keyword first, then ``outputs``), and the per-call values
     named in ``per_call`` (:func:`call_value`; None where not given)."""
     values = {name: call_value(name, kwargs, outputs) for name in per_call}

@@ -107,7 +107,7 @@ def packed_sequences(cu_seqlens: tuple[torch.Tensor, torch.Tensor], local_length
 def packed_microbatches(batches: Sequence[Any], lengths: Sequence[int], context: ParallelContext,
                         cp_gathered: Sequence[bool], devices: Sequence[torch.device]
                         ) -> list[Optional[PackedSequences]]:
-    """Stage 4 of the input pipeline (:mod:`.microbatch_view`): the sub-sequences of each packed microbatch of a
+    """Stage 4 of the input pipeline (:mod:`.view`): the sub-sequences of each packed microbatch of a
     call (None for an unpacked one), from its ``cu_seqlens`` and its local row length after the CP alignment."""
     packed = []
     for batch, length, gathered, device in zip(batches, lengths, cp_gathered, devices):

@@ -1,4 +1,4 @@
-"""Stage 2 of the input pipeline (:mod:`.microbatch_view`): the call's per-sequence values, per microbatch.
+"""Stage 2 of the input pipeline (:mod:`.view`): the call's per-sequence values, per microbatch.
 
 Twinkle passes ``old_logps``, ``advantages``, ``rollout_logps``, ``old_values``, ``returns``… for every
 sequence of an ``accumulate`` call, in one of these forms:
@@ -41,7 +41,7 @@ class SequenceValues(NamedTuple):
     misaligned: Any  # ragged arrays whose length is not their sequence's counted tokens: a device count, or 0.0
     ragged: bool  # laid onto the labels as given (then they must hold whole sequences)
     # bool [sequences]: the sequences whose values fit their counted tokens (ragged only; None: all of them).
-    # The view leaves the others' tokens out (:mod:`.microbatch_view`): their values would be invented.
+    # The view leaves the others' tokens out (:mod:`.view`): their values would be invented.
     aligned: Optional[torch.Tensor] = None
 
 

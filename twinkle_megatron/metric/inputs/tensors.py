@@ -1,6 +1,6 @@
 """Small tensor helpers every stage of the input pipeline uses: device moves, shape checks, rows, the token mask.
 
-A leaf module (it imports nothing of the package), so that each stage of :mod:`.microbatch_view` can use
+A leaf module (it imports nothing of the package), so that each stage of :mod:`.view` can use
 them without reaching back into an earlier stage.
 """
 
@@ -18,6 +18,12 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.device == device:
         return tensor
     return tensor.to(device, non_blocking=tensor.device.type == "cpu")
+
+
+def common_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where values held on several devices meet: the first accelerator any of them is on, else the first's
+    device. Host values are then copied up (:func:`to_device`: no host wait), never device values down."""
+    return next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
 
 
 def host_float64(numbers: Sequence[Any], device: torch.device) -> torch.Tensor:

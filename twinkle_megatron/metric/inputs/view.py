@@ -4,7 +4,7 @@ A metric declares what it reads (:class:`ViewSpec`) and gets one :class:`Microba
 validated, matched under context parallelism, on the device, with its per-sequence values spread over its
 tokens. Its own math then reads only the view. The data passes each stage once, in this order:
 
-1. :mod:`.inputs`: the microbatches, each paired with its outputs; the per-call values (keyword first,
+1. :mod:`.microbatches`: the microbatches, each paired with its outputs; the per-call values (keyword first,
    then ``outputs``);
 2. :mod:`.sequences`: each microbatch's share of the per-sequence values; ragged per-token arrays laid onto
    the labels as given;

@@ -12,7 +12,7 @@ takes raw dot products). Per call ``c`` with ``n_c`` anchors:
 
 and each sum over the global batch is the sum over ranks of the ranks' sums.
 So a rank keeps, per call, one row ``[Σâ (d), Σp̂ (d), n, Σ â·p̂]``; the rows are
-one data-sized SUM state ``[calls, 2d + 2]`` (see :mod:`.sync`) that rides in
+one data-sized SUM state ``[calls, 2d + 2]`` (see :mod:`..state.sync`) that rides in
 the collection's two all-reduces: ``O(calls·d)`` bytes per rank, the same at any
 number of ranks, and no object gather. The dot product of the global sums is
 taken in ``compute``, after the sum: the result equals the single-process one.
@@ -158,7 +158,7 @@ class EmbeddingMetric(Metric):
         self._add("nonfinite_losses", (~finite).sum())
 
     def sync_data_sized_sum(self) -> Optional[torch.Tensor]:
-        """This rank's per-call rows ``[calls, 2d + 2]`` (see :mod:`.sync`), or None before its first call."""
+        """This rank's per-call rows ``[calls, 2d + 2]`` (see :mod:`..state.sync`), or None before its first call."""
         return torch.stack(self._calls) if self._calls else None
 
     @staticmethod

@@ -144,7 +144,7 @@ class LossMetric(Metric):
     def _add_host_loss(self, batch: Any, output: Mapping[str, Any], reduction: str) -> bool:
         """A microbatch's loss given as a Python number (Twinkle's Megatron model passes one) with its weight a
         number too ('mean', or a ``num_tokens`` number), and nothing to slice it by: added on the host (no launch
-        per call; see :mod:`.host_values`). False when the loss takes the device path."""
+        per call; see :mod:`..state.host_values`). False when the loss takes the device path."""
         loss, weight = output["loss"], 1.0 if reduction == "mean" else output.get("num_tokens")
         if not is_host_number(loss) or not is_host_number(weight) or self._sliced(batch, output):
             return False

@@ -6,9 +6,9 @@ each sample's loss is ``Σ loss / tokens`` over its counted tokens (the loss
 mask, labels other than ``ignore_index``, and in a packed row its real tokens).
 A sample is a row of the microbatch, or, in a packed row (Megatron's THD format:
 ``packed_seq_params`` or ``cu_seqlens`` / ``cu_seqlens_padded``, see
-:mod:`.packed`), each packed sequence: its own tokens, never the THD padding
+:mod:`..inputs.packed`), each packed sequence: its own tokens, never the THD padding
 between sequences, whatever labels that padding carries. The microbatch reaches
-the rows through the one input pipeline (:mod:`.microbatch_view`: the CP
+the rows through the one input pipeline (:mod:`..inputs.view`: the CP
 matching, the packed sub-sequences, the token mask).
 
 Rows ``[score, loss sum, tokens, non-finite tokens, dataset_id, sample_index,
@@ -133,7 +133,7 @@ class SampleLosses(Metric):
         an entry named ``unique`` (the sample index) may give only for a row holding one sequence."""
         if value is None:
             return torch.full_like(like, _UNKNOWN)
-        value = torch.as_tensor(value).to(device=like.device, dtype=torch.float64)
+        value = to_device(torch.as_tensor(value), like.device).to(torch.float64)  # the batch's ids: no host wait
         if packed:
             value = value.reshape(-1)
             if value.numel() == 1 and (like.shape[0] == 1 or not unique):
@@ -144,6 +144,9 @@ class SampleLosses(Metric):
             return value
         if value.dim() > 1:
             value = value[:, 0]
+        if value.numel() not in (1, like.shape[0]):
+            raise ValueError(f"SampleLosses: a microbatch of {like.shape[0]} samples needs one "
+                             f"{unique or 'dataset id'} per sample, got shape {tuple(value.shape)}")
         return value.reshape(-1).expand(like.shape[0]) if value.numel() == 1 else value.reshape(-1)
 
     def end_step(self, step: int) -> None:
@@ -156,7 +159,9 @@ class SampleLosses(Metric):
         if self._interval is not None:
             rows = torch.cat([self._interval, rows.to(self._interval.device)])
         if rows.shape[0] > self.top_k:
-            rows = rows[torch.topk(rows[:, SCORE], self.top_k).indices]
+            # A stable sort, not topk: among equal scores (non-finite samples all score +inf) the earlier steps'
+            # rows stay, so the first non-finite sample of a diverging interval is the one kept.
+            rows = rows[torch.sort(rows[:, SCORE], descending=True, stable=True).indices[:self.top_k]]
         self._interval = rows
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
@@ -214,7 +219,8 @@ class SampleLosses(Metric):
 
 
 def _rank(sample: Mapping[str, Any]) -> tuple:
-    """Sort key: non-finite samples first (most non-finite tokens first), then complete ones, by loss."""
+    """Sort key: non-finite samples first (the earliest step first: what diverged first; then most non-finite
+    tokens), then complete ones, by loss."""
     if sample["nonfinite_tokens"]:
-        return (0, -sample["nonfinite_tokens"])
+        return (0, sample["step"], -sample["nonfinite_tokens"])
     return (1, not sample["complete"], -sample["loss"])

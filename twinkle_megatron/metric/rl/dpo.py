@@ -10,7 +10,7 @@ on whether any of its log-probs is non-finite; so per microbatch the pairs'
 partial ``(tokens, margin, non-finite tokens)`` are summed over the CP group
 first: **one all-reduce of a ``[pairs, 3]`` float64 tensor per microbatch**,
 only when ``cp_size > 1`` and the data is local (not complete on every CP
-rank; see :mod:`.context_parallel` and :mod:`.grpo` for why this beats
+rank; see :mod:`..inputs.context_parallel` and :mod:`.grpo` for why this beats
 per-sequence states or object records). Pair counts are then added by CP rank
 0 only.
 
@@ -65,7 +65,7 @@ class DPOMetric(Metric):
     every microbatch, the default) or ``'halves'`` (TRL's concatenated
     ``[c1, …, cn, r1, …, rn]`` in every microbatch). A microbatch with an odd
     number of sequences is a ``ValueError``. In a packed microbatch (``cu_seqlens``,
-    :mod:`.packed`) the sequences are its sub-sequences.
+    :mod:`..inputs.packed`) the sequences are its sub-sequences.
 
     ``accumulate(inputs, outputs, *, ref_outputs=None, ref_logps=None, pair_layout=None)``:
     ``outputs['logps']`` and ``ref_outputs['logps']`` (or ``ref_logps``) shaped

@@ -252,7 +252,7 @@ class GRPOMetric(Metric):
     def _token_terms(self, batch: MicrobatchView, mask: torch.Tensor, groups: Optional[TokenSlices],
                      vocab_size: Optional[int], layout: Optional[str]) -> TokenTerms:
         """The microbatch's per-token terms and the totals of every state but the clip counts: each statistic
-        masked by ``valid`` (counted, every input finite) and reduced together (see :mod:`.token_sums`)."""
+        masked by ``valid`` (counted, every input finite) and reduced together (see :mod:`..state.token_sums`)."""
         logps = batch.tensors["logps"]
         labels = to_device(batch.labels, logps.device)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0

@@ -6,7 +6,7 @@ log-probabilities of the sampled tokens differ from the trainer's recomputation
 (the engine's log-probs, in every form ``old_logps`` is accepted, see
 :mod:`.grpo`) GRPO, GSPO, CISPO and PPO also report, over the counted tokens
 ``t`` (those of the other keys: mask, every input finite, not of a sequence
-whose ragged array is misaligned: see :mod:`.sequences`) with
+whose ragged array is misaligned: see :mod:`..inputs.sequences`) with
 ``Δ_t = logπ_train(t) − logπ_rollout(t)`` (the log-probs as given, before any
 temperature scaling), sums over tokens, microbatches and DP×CP ranks, ``N``
 tokens, maxima over all of them:

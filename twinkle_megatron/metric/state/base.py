@@ -98,13 +98,14 @@ class Metric(_Base):
     """
 
     call_keywords: ClassVar[tuple[str, ...]] = ()
-    """The ``accumulate`` keywords the metric reads (per-call values): their near misses warn (see :mod:`.keywords`)."""
+    """The ``accumulate`` keywords the metric reads (per-call values): their near misses warn (see
+    :mod:`..inputs.keywords`)."""
     output_keys: ClassVar[tuple[str, ...]] = ()
     """The ``outputs`` keys the metric reads, one of which a call needs to add anything (empty: none needed)."""
     reports_positions: ClassVar[bool] = False
     """Whether the metric knows each token's position, so that ``position_buckets`` can be given."""
     token_statistics: ClassVar[tuple[str, ...]] = ("argmax", "logprobs", "entropy")
-    """The per-token statistics of the logits the metric reads (see :mod:`.logits_pass`): a collection whose
+    """The per-token statistics of the logits the metric reads (see :mod:`..tokens.logits_pass`): a collection whose
     metrics read no ``logprobs`` or ``entropy`` makes the argmax-only pass. Undeclared: all of them."""
 
     def token_statistics_for(self, outputs: Any) -> tuple[str, ...]:

@@ -3,7 +3,7 @@
 :class:`~.base.Metric` wraps each subclass's ``accumulate`` (in ``__init_subclass__``) with
 :func:`at_the_call_boundary`: the ``group_names`` option checked against the declared states, NumPy arrays
 turned into tensors (once per call: a collection's call crossed the boundary already), the keywords and
-outputs checked (:mod:`.keywords`), and autograd off, so a metric never extends, nor keeps alive, the graph
+outputs checked (:mod:`..inputs.keywords`), and autograd off, so a metric never extends, nor keeps alive, the graph
 of the tensors it reads.
 """
 

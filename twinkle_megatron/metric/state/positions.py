@@ -17,7 +17,7 @@ alone: sums and counts per bucket, the same reduction as the global key.
 The **position** of a token is its index in its own sequence, the same under
 every layout: under context parallelism a rank's chunks ``i`` and ``2·cp−1−i``
 are mapped back (:func:`.context_parallel.global_positions`); in a packed row
-(:mod:`.packed`) positions restart at 0 in every sub-sequence.
+(:mod:`..inputs.packed`) positions restart at 0 in every sub-sequence.
 """
 
 from __future__ import annotations

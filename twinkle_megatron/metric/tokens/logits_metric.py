@@ -30,7 +30,7 @@ class LogitsMetric(Metric):
     ``labels != ignore_index`` and ``completion_mask``; of those, tokens with a
     non-finite logit are counted in ``nonfinite_tokens`` and labels outside
     ``[0, vocab_size)`` in ``invalid_labels`` instead of being scored; in a
-    packed microbatch (``cu_seqlens``, see :mod:`.packed`) padding never counts. With
+    packed microbatch (``cu_seqlens``, see :mod:`..inputs.packed`) padding never counts. With
     ``strict=True`` (default) ``calculate()`` raises ``ValueError`` on every rank
     when any rank saw an invalid label (the count is global, so all ranks agree).
     """
