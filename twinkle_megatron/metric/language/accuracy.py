@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import to_device
 from ..state.base import Number, SyncedStates
-from ..inputs.shared_call import SharedCall
 from ..tokens.logits_metric import LogitsMetric
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from ..state.base import Number, SyncedStates
 from ..inputs.shared_call import SharedCall
+from ..state.base import Number, SyncedStates
 from ..tokens.logits_metric import LogitsMetric
 
 

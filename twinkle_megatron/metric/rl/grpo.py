@@ -48,8 +48,8 @@ import torch
 
 from ..inputs.keywords import check_layout_declared
 from ..inputs.microbatches import call_value, given
-from ..inputs.tensors import all_finite, as_rows, check_same_shape, to_device
 from ..inputs.shared_call import SharedCall
+from ..inputs.tensors import all_finite, as_rows, check_same_shape, to_device
 from ..inputs.view import MicrobatchView, ViewSpec, logits_sequence_dim
 from ..state.base import Metric, Number, SyncedStates
 from ..state.groups import TokenSlices

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..inputs.microbatches import call_value, given
-from ..inputs.tensors import all_finite
 from ..inputs.shared_call import SharedCall
+from ..inputs.tensors import all_finite
 from ..inputs.view import MicrobatchView, ViewSpec
 from ..state.base import Metric, Number, SyncedStates
 

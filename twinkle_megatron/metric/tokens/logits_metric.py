@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
