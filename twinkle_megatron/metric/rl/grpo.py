@@ -63,7 +63,7 @@ from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_st
 
 class TokenTerms(NamedTuple):
     """A microbatch's per-token terms of GRPO's family and the totals of their states (the same for each metric
-    of the family: computed once per collection call)."""
+    of the family: computed once per call, see :meth:`.SharedCall.shared`)."""
 
     sums: dict[str, torch.Tensor]  # state name -> what to add: totals, twins' per-slice totals, counts
     maxima: dict[str, torch.Tensor]  # state name -> what to fold into its max
