@@ -199,3 +199,33 @@ def test_in_place_state_updates_never_touch_a_loaded_checkpoint():
     resumed.accumulate(inputs, outputs)
     assert all(torch.equal(before[name], saved["states"][name]) for name in before)
     assert resumed.calculate()["total_tokens"] == 2 * int(before["total_tokens"])
+
+
+@pytest.mark.parametrize("batch, seq", [(2, 64), (4, 256)])
+def test_the_instrument_path_classifies_a_microbatchs_tokens_once(accelerator_chunks, batch, seq):
+    """instrument() classifies a microbatch's tokens for its loss reports and hands the classes to the metrics in
+    the microbatch's call: the metrics then make no classification of their own (its ops are saved), and the
+    results are those of metrics that classify themselves."""
+    from twinkle_megatron.megatron.microbatch_feed import microbatch_call, microbatch_feed
+    from twinkle_megatron.megatron.token_reports import TokenReports
+
+    inputs, outputs = microbatch(batch, seq)
+    stats = vocab_parallel_token_stats(outputs["logits"], inputs["labels"], vocab_size=500)
+    labels, loss_mask = inputs["labels"], inputs["completion_mask"]
+    feed = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=stats, loss=outputs["loss"],
+                           num_tokens=outputs["num_tokens"])
+    reports = TokenReports()
+    with CountOps() as classifying:
+        mask, classes = reports.loss_mask_tokens(labels, loss_mask, stats)
+    results, launches = [], []
+    for given in (None, classes):
+        collection = tm.MetricCollection([tm.Accuracy(vocab_size=500), tm.TokenStatsMetric(vocab_size=500),
+                                          tm.LossMetric()])
+        collection.accumulate_call(microbatch_call(*feed, {"loss_reduction": "sum"}, given))
+        with forbid_host_sync(), CountOps() as counted:
+            collection.accumulate_call(microbatch_call(*feed, {"loss_reduction": "sum"}, given))
+        launches.append(counted.launches)
+        results.append(collection.calculate())
+    token_mask_ops = 2  # labels != ignore_index, & the loss mask: the view's own, kept
+    assert launches[0] - launches[1] == classifying.launches - token_mask_ops, (launches, classifying.ops)
+    assert results[0] == results[1] and results[0]["total_tokens"] == 2 * int(mask.sum())  # two calls each

@@ -9,10 +9,8 @@ from kit.distributed import Layout, run_distributed
 from kit.invariance import Call, assert_layout_invariant, calculate_or_error
 from kit.references import accuracy_reference, full_vocab_stats
 
-from twinkle_megatron import Accuracy, Metric, MetricCollection
-from twinkle_megatron.metric.inputs.microbatches import microbatches
-from twinkle_megatron.metric.inputs.tensors import token_mask
-from twinkle_megatron.metric.tokens.logits_pass import logits_token_stats
+from twinkle_megatron import Accuracy, MetricCollection
+from twinkle_megatron.metric import LogitsMetric
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 12, 50, 56  # Megatron pads the vocabulary to a multiple of TP
 
@@ -70,20 +68,21 @@ def test_ties_go_to_the_lowest_index_like_torch_argmax():
     assert metric.calculate() == {"accuracy": 0.5, "correct_tokens": 1, "total_tokens": 2}
 
 
-class MeanEntropy(Metric):
-    """A second reader of the same logits (as GRPO's entropy will be)."""
+class MeanEntropy(LogitsMetric):
+    """A second reader of the same logits (as GRPO's entropy is): it reads the collection's call, whose
+    token statistics are made once per microbatch for every reader."""
+
+    token_statistics = ("entropy",)
 
     def __init__(self, device_mesh=None, process_group=None, **kwargs):
-        super().__init__(device_mesh, process_group, **kwargs)
+        super().__init__(device_mesh, process_group, vocab_size=VOCAB, **kwargs)
         self.add_state("entropy_sum", "sum")
         self.add_state("tokens", "sum")
 
-    def accumulate(self, inputs, outputs, **kwargs):
-        for batch, output in microbatches(inputs, outputs, ("logits",)):
-            stats = logits_token_stats(output["logits"], batch["labels"], self.context, VOCAB)
-            mask = token_mask(batch["labels"])
-            self._add("entropy_sum", torch.where(mask, stats.entropy, 0.0).sum())
-            self._add("tokens", mask.sum())
+    def accumulate_call(self, call):
+        for batch, classes, _ in self._token_batches(call):
+            self._add("entropy_sum", torch.where(classes.counted, batch.stats.entropy, 0.0).sum())
+            self._add("tokens", classes.counted.sum())
 
     def compute(self, states):
         return {"entropy": states["entropy_sum"] / states["tokens"]} if states["tokens"] else {}

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import twinkle_megatron as tm
-from twinkle_megatron.metric.inputs import view as microbatch_view
+from twinkle_megatron.metric.inputs import shared_call
 from twinkle_megatron.parallel import ParallelContext
 
 METRIC = Path(tm.__file__).parent / "metric" / "inputs"
@@ -89,9 +89,11 @@ def test_token_metrics_and_sequence_metrics_each_enter_once():
 
 
 def test_a_collection_builds_the_views_once_for_the_metrics_that_read_the_same():
+    """The collection's one SharedCall builds the views of each spec once (GRPO and PPO declare one spec,
+    Accuracy another), and PPO reads GRPO's views with the same results as GRPO alone."""
     inputs, outputs, keywords = grpo_call()
     built = []
-    original = microbatch_view._views
+    original = shared_call.microbatch_views
 
     def counting(*args, **kwargs):
         built.append(args[3].metric)
@@ -99,11 +101,11 @@ def test_a_collection_builds_the_views_once_for_the_metrics_that_read_the_same()
 
     # PPO's policy side reports GRPO's keys with the same values (GSPO's and CISPO's clip rates differ).
     collection = tm.MetricCollection([tm.GRPOMetric(), tm.PPOMetric(), tm.Accuracy(), tm.TokenStatsMetric()])
-    microbatch_view._views = counting
+    shared_call.microbatch_views = counting
     try:
         collection.accumulate(inputs, {**outputs, "logits": [torch.randn(2, 6, 50)] * 2}, **keywords)
     finally:
-        microbatch_view._views = original
+        shared_call.microbatch_views = original
     assert built == ["GRPOMetric", "Accuracy"], built
     results = collection.calculate()
     alone = tm.GRPOMetric()

@@ -52,7 +52,7 @@ from .hook_failures import HookFailures, MetricHookError
 from .language_model import language_models, mtp_heads
 from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
-from .microbatch_feed import microbatch_feed, per_token_losses
+from .microbatch_feed import microbatch_call, microbatch_feed, per_token_losses
 from .mistakes import LoopChecks
 from .router_hooks import attach_moe_routing, find_routers
 from .token_reports import TokenReports, report_device, with_entries
@@ -307,19 +307,24 @@ class MegatronInstrumentation:
         # report's while it is finite, and the finite per-token losses' when it is not (LossMetric): one NaN
         # sample never takes the healthy samples of its microbatch with it.
         token_losses = per_token_losses(output_tensor, labels)
-        entries = None
-        if self.reports is not None:
-            groups = self.reports.groups(group_ids, labels, self.context)
-            entries, mistakes = self.reports.of(labels, loss_mask, captured["stats"], groups, token_losses)
-            self._checks.add(mistakes)
         more = {"packed_seq_params": captured.get("packed_seq_params")}  # THD: sub-sequences
         if self._samples is not None:
             more[self._samples.index_key] = sample_index
-        inputs, outputs = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=captured["stats"],
+        stats = captured["stats"]
+        inputs, outputs = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=stats,
                                           group_key=self.group_key, group_ids=group_ids, loss=loss,
                                           num_tokens=num_tokens, more_inputs=more, token_losses=token_losses)
+        entries, classes = None, None
+        if self.reports is not None:
+            # The microbatch's tokens are classified once: for the reports, and handed to the metrics that count
+            # the same tokens (the loss mask's, with this ignore_index) through the call.
+            mask, classes = self.reports.loss_mask_tokens(labels, loss_mask, stats)
+            groups = self.reports.groups(group_ids, labels, self.context)
+            entries, mistakes = self.reports.of(labels, mask, stats, classes, groups, token_losses)
+            self._checks.add(mistakes)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
-        self.metrics.accumulate(inputs, outputs, loss_reduction="sum")
+        self.metrics.accumulate_call(microbatch_call(inputs, outputs, {"loss_reduction": "sum"}, classes,
+                                                     self.ignore_index))
         return entries
 
     # --------------------------------------------------------- explicit calls

@@ -9,7 +9,9 @@ the metrics' ``group_key`` and, for packed (THD) rows, ``packed_seq_params``;
 ``outputs`` holds ``token_stats`` (the vocab-parallel statistics, computed once
 and shared by every metric), Megatron's loss ``[sum, count]`` as ``loss`` and
 ``num_tokens``, and the per-token losses for the per-group, per-position and
-per-sample losses.
+per-sample losses. :func:`microbatch_call` makes the pair the one
+:class:`~twinkle_megatron.metric.SharedCall` every metric reads, holding the
+token classes the hooks made (so the tokens are classified once).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ..metric import SharedCall, TokenClasses, give_token_classes
 from ..ops import TokenStats
 
 
@@ -43,6 +46,16 @@ def microbatch_feed(*, labels: Optional[torch.Tensor] = None, loss_mask: Optiona
         outputs["token_losses"] = token_losses.detach()
     inputs.update(more_inputs or {})
     return inputs, outputs
+
+
+def microbatch_call(inputs: Mapping[str, Any], outputs: Mapping[str, Any], kwargs: Mapping[str, Any],
+                    classes: Optional[TokenClasses] = None, ignore_index: int = -100) -> SharedCall:
+    """The call the metrics read for one microbatch; ``classes``: its tokens' classes over the loss mask's tokens
+    with ``ignore_index`` (see :func:`.give_token_classes`), made from ``outputs['token_stats']``."""
+    call = SharedCall(inputs, outputs, kwargs)
+    if classes is not None:
+        give_token_classes(call, classes, ignore_index)
+    return call
 
 
 def per_token_losses(output_tensor: Any, labels: torch.Tensor) -> Optional[torch.Tensor]:

@@ -38,7 +38,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..metric import TokenGroups, classify_tokens, token_groups, token_mask
+from ..metric import TokenClasses, TokenGroups, classify_tokens, token_groups, token_mask
 from ..ops import TokenStats
 from ..parallel import ParallelContext
 
@@ -94,15 +94,22 @@ class TokenReports:
             raise error
         return token_groups(ids, labels, count)
 
-    def of(self, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], stats: TokenStats,
-           groups: Optional[TokenGroups] = None, token_losses: Optional[torch.Tensor] = None
-           ) -> MicrobatchReport:
-        """The entries of one microbatch and its mistake counts: ``labels`` and ``loss_mask`` shaped like the
-        per-token ``stats``; ``groups`` (per token) and ``token_losses`` (shaped like ``labels``) for the
-        per-group entries."""
+    def loss_mask_tokens(self, labels: torch.Tensor, loss_mask: Optional[torch.Tensor], stats: TokenStats
+                         ) -> tuple[torch.Tensor, TokenClasses]:
+        """The tokens of the loss mask (:func:`.token_mask` of ``labels`` and ``loss_mask``, shaped like the
+        per-token ``stats``, with ``ignore_index``) and their classes (:func:`.classify_tokens`): made once per
+        microbatch, for the reports and (handed on by the instrumentation) the metrics."""
         device = stats.entropy.device
         mask = token_mask(labels.to(device), None if loss_mask is None else loss_mask.to(device), self.ignore_index)
-        classes = classify_tokens(stats, mask)
+        return mask, classify_tokens(stats, mask)
+
+    def of(self, labels: torch.Tensor, mask: torch.Tensor, stats: TokenStats, classes: TokenClasses,
+           groups: Optional[TokenGroups] = None, token_losses: Optional[torch.Tensor] = None
+           ) -> MicrobatchReport:
+        """The entries of one microbatch and its mistake counts: ``labels`` shaped like the per-token ``stats``,
+        ``mask`` and ``classes`` from :meth:`loss_mask_tokens`; ``groups`` (per token) and ``token_losses``
+        (shaped like ``labels``) for the per-group entries."""
+        device = stats.entropy.device
         counted = classes.counted
         # Tokens of the loss mask the reports cannot place: labels outside the vocabulary, and (with group
         # names) tokens without a group id inside the names (none given, or out of range).

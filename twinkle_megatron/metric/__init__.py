@@ -15,6 +15,7 @@ Everything outside ``metric/`` (the hooks of ``megatron/``, the ``tracker/``) us
 
 from .collection import MetricCollection
 from .inputs.keywords import MetricInputWarning, check_layout_declared
+from .inputs.shared_call import SharedCall
 from .inputs.tensors import common_device, to_device, token_mask
 from .language.accuracy import Accuracy
 from .language.embedding import EmbeddingMetric
@@ -31,7 +32,7 @@ from .state.base import Metric, StateSpec
 from .state.groups import TokenGroups, token_groups
 from .state.sync import MetricSyncError, Number, SyncedStates, calculate_each, calculate_metrics, merge_results
 from .tokens.logits_metric import LogitsMetric
-from .tokens.logits_pass import classify_tokens, logits_token_stats
+from .tokens.logits_pass import TokenClasses, classify_tokens, give_token_classes, logits_token_stats
 
 __all__ = [
     # the metrics and their base (Twinkle's API and this project's additions)
@@ -39,7 +40,9 @@ __all__ = [
     "LossMetric", "TokenStatsMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "DPOMetric",
     "PPOMetric", "PPOValueMetric", "EmbeddingMetric", "CompletionRewardMetric", "MetricSyncError", "SampleLosses",
     "MetricInputWarning", "MoERoutingMetric",
-    # for the hooks (megatron/) and the tracker: the one sync, token classification, slices, values
-    "Number", "calculate_each", "merge_results", "check_layout_declared", "token_mask", "TokenGroups",
-    "token_groups", "classify_tokens", "logits_token_stats", "ROUTER_LOSSES", "common_device", "to_device",
+    # for the hooks (megatron/) and the tracker: one call shared by the metrics, the one sync, token
+    # classification, slices, values
+    "SharedCall", "Number", "calculate_each", "merge_results", "check_layout_declared", "token_mask", "TokenGroups",
+    "token_groups", "TokenClasses", "classify_tokens", "give_token_classes", "logits_token_stats", "ROUTER_LOSSES",
+    "common_device", "to_device",
 ]

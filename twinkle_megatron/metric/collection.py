@@ -1,5 +1,10 @@
 """Many metrics fed from one ``accumulate`` call and synced together (at most two collectives, see
-:mod:`.state.sync`)."""
+:mod:`.state.sync`).
+
+Each call becomes one :class:`.inputs.shared_call.SharedCall` handed to every metric that reads one
+(``accumulate_call``): the views of each spec, each microbatch's token statistics and token classes are made
+once for all of them.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,9 @@ from typing import Any, Iterable, Mapping, Union
 
 import torch
 
-from .inputs.microbatches import arrays_as_tensors
+from .inputs.shared_call import SharedCall
 from .state.sync import Number, calculate_metrics, is_builtin, reduced_state_dicts
-from .tokens.logits_pass import STATISTICS, sharing_token_stats
+from .tokens.logits_pass import STATISTICS
 
 
 class MetricCollection:
@@ -33,15 +38,23 @@ class MetricCollection:
         self.metrics: list[Any] = list(metrics.values() if isinstance(metrics, Mapping) else metrics)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        """Feed every metric; metrics reading the same logits share one vocab-parallel pass.
+        """Feed every metric one :class:`.SharedCall` of this call; metrics reading the same logits share one
+        vocab-parallel pass.
 
         Keywords a user metric's ``accumulate`` does not take (the documentation's
         ``accumulate(self, inputs, outputs)`` takes none) are not passed to it.
         """
-        inputs, outputs, kwargs = arrays_as_tensors(inputs), arrays_as_tensors(outputs), arrays_as_tensors(kwargs, 3)
-        with sharing_token_stats(self._token_statistics(outputs)), torch.no_grad():
+        self.accumulate_call(SharedCall(inputs, outputs, kwargs, self._token_statistics(outputs)))
+
+    def accumulate_call(self, call: SharedCall) -> None:
+        """Feed every metric ``call``: its own ``accumulate_call`` where it reads one, else Twinkle's
+        ``accumulate`` with the call's inputs, outputs and keywords (``instrument()`` makes the call itself)."""
+        with torch.no_grad():
             for metric in self.metrics:
-                metric.accumulate(inputs, outputs, **_keywords_for(metric, kwargs))
+                if _reads_shared_call(metric):
+                    metric.accumulate_call(call)
+                else:
+                    metric.accumulate(call.inputs, call.outputs, **_keywords_for(metric, call.kwargs))
 
     def _token_statistics(self, outputs: Any) -> frozenset:
         """What this call's metrics read of the logits (a Twinkle-style metric that declares nothing: all)."""
@@ -72,6 +85,11 @@ class MetricCollection:
 
     def __len__(self) -> int:
         return len(self.metrics)
+
+
+def _reads_shared_call(metric: Any) -> bool:
+    reads = getattr(type(metric), "reads_shared_call", None)
+    return reads is not None and reads()
 
 
 def _keywords_for(metric: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -24,13 +24,11 @@ microbatch (``cu_seqlens``) is one row: its per-sequence values must be given pe
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..inputs.tensors import is_host_number
-from .call_cache import shared_value
-from .tensors import host_float64, to_device
+from .tensors import host_float64, is_host_number, to_device
 
 
 class SequenceValues(NamedTuple):
@@ -45,24 +43,36 @@ class SequenceValues(NamedTuple):
     aligned: Optional[torch.Tensor] = None
 
 
-def per_sequence_values(values_by_name: dict[str, Any], masks: Sequence[torch.Tensor]
+def per_sequence_values(values_by_name: dict[str, Any], masks: Sequence[torch.Tensor],
+                        share: Optional[Callable[[tuple, Callable[[], Any]], Any]] = None
                         ) -> list[dict[str, SequenceValues]]:
     """Each microbatch's share of each per-call value (None values are left out).
 
     ``masks``: each microbatch's counted tokens as given (``[sequences, length]``, before any CP cut), on
     the device the values go to. Raises ``ValueError`` when the number of sequences or a tensor's rows do not match.
+    ``share``: the call's :meth:`.SharedCall.shared`, through which its metrics share each value's pieces on the
+    device (a per-call value of a name is the same for every metric of the call, so the name, the microbatches'
+    sequence counts and devices name them: host lists cross to the device once per call).
     """
-    rows = [mask.shape[0] for mask in masks]
+    rows = tuple(mask.shape[0] for mask in masks)
+    devices = tuple(mask.device for mask in masks)
     result: list[dict[str, SequenceValues]] = [{} for _ in masks]
     for name, values in values_by_name.items():
         if values is None:
             continue
-        # Every metric of a collection gets the same pieces (their host lists cross to the device once).
-        pieces = shared_value(("split", id(values), name, tuple(rows)),
-                              lambda v=values, n=name: split_per_microbatch(v, n, rows), keep=(values,))
+        pieces = share(("sequence_values", name, rows, devices),
+                       lambda v=values, n=name: _pieces_on(v, n, rows, devices)) if share is not None \
+            else _pieces_on(values, name, rows, devices)
         for index, (piece, mask) in enumerate(zip(pieces, masks)):
             result[index][name] = _microbatch_values(piece, mask, mask.device)
     return result
+
+
+def _pieces_on(values: Any, name: str, rows: Sequence[int], devices: Sequence[torch.device]) -> list[Any]:
+    """Each microbatch's piece of ``values``: a tensor as split, or a list's numbers and arrays on its device
+    (:func:`_values_on`)."""
+    return [piece if isinstance(piece, torch.Tensor) else _values_on(piece, device)
+            for piece, device in zip(split_per_microbatch(values, name, rows), devices)]
 
 
 def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> SequenceValues:
@@ -70,8 +80,7 @@ def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> 
         if piece.dim() == 1:
             return SequenceValues(piece.to(device=device, dtype=torch.float64), None, 0.0, False)
         return SequenceValues(None, piece, 0.0, False)
-    scalars, arrays = shared_value(("token_values", id(piece), device), lambda: _values_on(piece, device),
-                                   keep=(piece,))
+    scalars, arrays = piece
     if arrays is None:
         return SequenceValues(scalars, None, 0.0, False)
     bordered, lengths, is_scalar = arrays

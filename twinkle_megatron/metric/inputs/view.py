@@ -15,23 +15,25 @@ tokens. Its own math then reads only the view. The data passes each stage once, 
    would be invented), the per-sequence values over the tokens, the view.
 
 Every check runs before the view is returned, so a metric changes no state for a call that raises.
-Inside a ``MetricCollection`` call the metrics that declare the same spec (GRPO, GSPO, CISPO, PPO's policy
-side) share one list of views: the pipeline runs once for all of them.
+Metrics read their views through the call's :class:`.SharedCall` (:meth:`.SharedCall.views`): the metrics of
+one call that declare the same spec (GRPO, GSPO, CISPO, PPO's policy side; Accuracy and TokenStatsMetric) read
+one list of views, and the pipeline runs once for all of them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
 from ...parallel import ParallelContext
-from .call_cache import shared_value
 from .context_parallel import CPAlignment, align_microbatches
 from .microbatches import call_microbatches
 from .packed import PackedSequences, packed_microbatches
 from .sequences import per_sequence_values
 from .tensors import as_rows, check_same_shape, to_device, token_mask
+
+Share = Callable[[tuple, Callable[[], Any]], Any]  # a call's SharedCall.shared: compute once per key, per call
 
 LOGITS = "logits"  # the one per-token output whose sequence dimension depends on its layout
 GROUP_IDS = "group_ids"  # per-token group ids, matched under CP with the other per-token tensors
@@ -69,6 +71,12 @@ class MicrobatchView(NamedTuple):
     first_sequence: int  # the index of its first sequence among the call's sequences
     cp_gathered: bool  # whole sequences on every CP rank (see :class:`.CPAlignment`)
     counts_here: bool  # this rank adds the microbatch to its states
+    index: int  # the microbatch's position among the call's microbatches (0 for a whole-batch call)
+    # The rule ``mask`` follows, as a value: ``("token_mask", ignore_index)`` when it is exactly
+    # :func:`.token_mask` of the labels and completion mask as given (no CP cut, no packing, no misaligned
+    # sequence left out), so the microbatch's token classes under that rule serve it; else the view's ``key``.
+    mask_rule: tuple
+    key: tuple  # names this view among the call's (its spec less the metric's name, the CP rank, ``index``)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -92,40 +100,39 @@ class MicrobatchView(NamedTuple):
 
 
 def microbatch_views(inputs: Any, outputs: Any, kwargs: Mapping[str, Any], spec: ViewSpec,
-                     context: ParallelContext) -> list[MicrobatchView]:
+                     context: ParallelContext, share: Optional[Share] = None,
+                     key: tuple = ()) -> list[MicrobatchView]:
     """The views of one ``accumulate`` call (microbatches without the anchor or an ``instead`` output are left
-    out); ``ValueError`` for any mismatch, before the caller changes a state."""
-    given = (inputs, outputs, *(kwargs.get(name) for name in (*spec.per_sequence, "group_ids")))
-    # A view depends on the context through its CP rank only (each metric holds its own context object).
-    key = ("views", spec[1:], *map(id, given), context.cp_size, context.cp_rank)  # any metric's name
-    return shared_value(key, lambda: _views(inputs, outputs, kwargs, spec, context), keep=given)
+    out); ``ValueError`` for any mismatch, before the caller changes a state.
 
-
-def _views(inputs: Any, outputs: Any, kwargs: Mapping[str, Any], spec: ViewSpec,
-           context: ParallelContext) -> list[MicrobatchView]:
+    ``share``: how the call's metrics share the per-sequence values laid on the device
+    (:meth:`.SharedCall.views` passes its :meth:`~.SharedCall.shared`, and ``key``, the name of its list of
+    views); without it nothing is shared.
+    """
     # 1. The microbatches and the per-call values.
     pairs, per_call = call_microbatches(inputs, outputs, kwargs, (spec.anchor, *spec.per_token, *spec.paired),
                                         spec.per_sequence)
-    return _views_of(pairs, per_call, spec, context)
+    return _views_of(pairs, per_call, spec, context, share, key)
 
 
 def microbatch_views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], spec: ViewSpec,
                         context: ParallelContext) -> list[MicrobatchView]:
     """The views of microbatches a metric has already paired with their outputs (stage 1 done by the metric:
     :class:`.LossMetric` reads its microbatch values first and hands on those with per-token losses)."""
-    return _views_of(pairs, {}, spec, context)
+    return _views_of(pairs, {}, spec, context, None, ())
 
 
 def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call: dict[str, Any], spec: ViewSpec,
-              context: ParallelContext) -> list[MicrobatchView]:
-    pairs = [(batch, output) for batch, output in pairs
-             if spec.anchor in output or any(name in output for name in spec.instead)]
+              context: ParallelContext, share: Optional[Share], key: tuple) -> list[MicrobatchView]:
+    indices = [index for index, (_, output) in enumerate(pairs)
+               if spec.anchor in output or any(name in output for name in spec.instead)]
+    pairs = [pairs[index] for index in indices]
     ids = [_group_ids(batch, output, spec) for batch, output in pairs]
     given = [_as_given(batch, output, group_ids, spec) for (batch, output), group_ids in zip(pairs, ids)]
     # 2. The per-sequence values, per microbatch: ragged arrays onto the labels as given.
     masks = [_mask_as_given(tensors, spec) for tensors in given] if any(v is not None for v in per_call.values()) \
         else []
-    sequence_values = per_sequence_values(per_call, masks) if masks else [{} for _ in given]
+    sequence_values = per_sequence_values(per_call, masks, share) if masks else [{} for _ in given]
     for tensors, values in zip(given, sequence_values):
         tensors.update({name: (value.per_token, 1) for name, value in values.items() if value.per_token is not None})
     # 3. Context parallelism: only microbatches with the anchor have tensors to match.
@@ -140,7 +147,7 @@ def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call
     for index, ((_, output), tensors, cp, values, rows) in enumerate(
             zip(pairs, given, aligned, sequence_values, packed)):
         view = _view(output, tensors, cp, values, rows, masks[index] if masks else None, ids[index],
-                     first_sequence, spec, context)
+                     first_sequence, spec, context, indices[index], key)
         views.append(view)
         first_sequence += view.sequence_count
     return views
@@ -204,7 +211,7 @@ def _mask_as_given(tensors: Mapping[str, tuple], spec: ViewSpec) -> torch.Tensor
 
 def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment, values: Mapping[str, Any],
           packed: Optional[PackedSequences], mask_as_given: Optional[torch.Tensor], ids: Any, first_sequence: int,
-          spec: ViewSpec, context: ParallelContext) -> MicrobatchView:
+          spec: ViewSpec, context: ParallelContext, index: int, views_key: tuple) -> MicrobatchView:
     tensors = dict(cp.tensors)
     ids = tensors.pop(GROUP_IDS, ids)  # per-token ids as matched under CP, per-sample ones as given
     labels = tensors["labels"]
@@ -232,8 +239,11 @@ def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment
         spread[name] = torch.where(mask, per_token.to(device=device, dtype=torch.float64), zero)
     misaligned = [value.misaligned for value in values.values() if value.ragged]
     once = 1.0 if context.cp_rank == 0 else 0.0  # every CP rank lays the same whole arrays
+    key = (*views_key, index)
+    plain = not cut and packed is None and all(value.aligned is None for value in values.values())
     return MicrobatchView(tensors, output, mask, spread, sum(misaligned) * once if misaligned else 0.0, ids,
-                          cp.positions, packed, first_sequence, cp.cp_gathered, cp.counts_here)
+                          cp.positions, packed, first_sequence, cp.cp_gathered, cp.counts_here, index,
+                          ("token_mask", spec.ignore_index) if plain else key, key)
 
 
 def _check(tensors: Mapping[str, torch.Tensor], values: Mapping[str, Any], packed: Optional[PackedSequences],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import to_device
 from ..state.base import Number, SyncedStates
 from ..tokens.logits_metric import LogitsMetric
@@ -46,8 +47,8 @@ class Accuracy(LogitsMetric):
         self.add_state("correct_tokens", "sum", grouped=True)
         self.add_state("total_tokens", "sum", grouped=True)
 
-    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        for batch, classes, groups in self._token_batches(inputs, outputs, kwargs):
+    def accumulate_call(self, call: SharedCall) -> None:
+        for batch, classes, groups in self._token_batches(call):
             labels = to_device(batch.labels, batch.stats.argmax.device)
             # Bool counts of the same tokens: stacked and added together (see Metric._add_token_sums).
             self._add_token_sums({"correct_tokens": classes.counted & (batch.stats.argmax == labels),

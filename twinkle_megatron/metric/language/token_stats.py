@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..inputs.shared_call import SharedCall
 from ..state.base import Number, SyncedStates
 from ..tokens.logits_metric import LogitsMetric
 
@@ -40,8 +41,8 @@ class TokenStatsMetric(LogitsMetric):
         self.add_state("entropy_sum", "sum", grouped=True)
         self.add_state("tokens", "sum", grouped=True)
 
-    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        for batch, classes, groups in self._token_batches(inputs, outputs, kwargs):
+    def accumulate_call(self, call: SharedCall) -> None:
+        for batch, classes, groups in self._token_batches(call):
             stats = batch.stats
             problems = {name: tokens.sum(dtype=torch.float64) for name, tokens in self.problem_counts(classes).items()}
             self._add_token_sums({"logprob_sum": stats.logprobs, "entropy_sum": stats.entropy,

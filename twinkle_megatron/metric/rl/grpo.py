@@ -46,16 +46,16 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
-from ..inputs.call_cache import shared_value
 from ..inputs.keywords import check_layout_declared
 from ..inputs.microbatches import call_value, given
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import all_finite, as_rows, check_same_shape, to_device
-from ..inputs.view import MicrobatchView, ViewSpec, logits_sequence_dim, microbatch_views
+from ..inputs.view import MicrobatchView, ViewSpec, logits_sequence_dim
 from ..state.base import Metric, Number, SyncedStates
 from ..state.groups import TokenSlices
 from ..state.resume import holds_loaded_sums
 from ..state.token_sums import max_totals, sum_totals
-from ..tokens.logits_pass import check_vocab_size, logits_token_stats
+from ..tokens.logits_pass import call_token_stats, check_vocab_size
 from ..tokens.sequence_totals import once_per_sequence, sum_over_context_parallel
 from .high_kl_records import HighKLRecords, global_top_kl, saved_state
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
@@ -63,7 +63,7 @@ from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_st
 
 class TokenTerms(NamedTuple):
     """A microbatch's per-token terms of GRPO's family and the totals of their states (the same for each metric
-    of the family: computed once per collection call)."""
+    of the family: computed once per call, see :meth:`.SharedCall.shared`)."""
 
     sums: dict[str, torch.Tensor]  # state name -> what to add: totals, twins' per-slice totals, counts
     maxima: dict[str, torch.Tensor]  # state name -> what to fold into its max
@@ -171,9 +171,10 @@ class GRPOMetric(Metric):
 
     # ------------------------------------------------------------ accumulate
 
-    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+    def accumulate_call(self, call: SharedCall) -> None:
         """Add a call's microbatches; ``old_logps``, ``advantages``, ``vocab_size``, ``logits_layout``
         are per-call values (keyword first, then ``outputs``, then the constructor's)."""
+        outputs, kwargs = call.outputs, call.kwargs
         if outputs is None or not given(outputs.get("logps")):
             return
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
@@ -185,14 +186,14 @@ class GRPOMetric(Metric):
                         positions=self.top_k_kl > 0 or self.position_buckets is not None,
                         ignore_index=self.ignore_index, cp_gathered=self.cp_gathered,
                         group_key=self.group_key if self.group_names else None)
-        views = microbatch_views(inputs, outputs, kwargs, spec, self.context)
+        views = call.views(spec, self.context)
         for view in views:  # every check before any state changes
             stats = view.output.get("token_stats")
             if stats is not None and "entropies" not in view.tensors:
                 check_same_shape("logps", view.tensors["logps"], "token_stats", as_rows(stats.entropy))
         for view in views:
             if view.counts_here:
-                self._accumulate_microbatch(view, vocab_size, layout)
+                self._accumulate_microbatch(call, view, vocab_size, layout)
         self._high_kl.end_call(sum(view.sequence_count for view in views))
 
     def token_statistics_for(self, outputs: Any) -> tuple[str, ...]:
@@ -224,17 +225,18 @@ class GRPOMetric(Metric):
                           "gathered like the logps)", RuntimeWarning, stacklevel=4)
         return None
 
-    def _accumulate_microbatch(self, batch: MicrobatchView, vocab_size: Optional[int], layout: Optional[str]) -> None:
+    def _accumulate_microbatch(self, call: SharedCall, batch: MicrobatchView, vocab_size: Optional[int],
+                               layout: Optional[str]) -> None:
         mask = batch.mask
         positions = batch.sequence_positions if self.position_buckets is not None else None
         groups = self._token_groups(batch.group_ids, mask, mask, positions)
-        # GRPO, GSPO, CISPO and PPO of one collection read the same microbatch view alike but for their clip
-        # counts: the per-token terms and their totals are computed once per call (the key holds what they
-        # depend on besides the view, which the metrics share: see microbatch_view).
-        key = ("grpo_terms", self._token_terms.__func__, self._entropy.__func__, self.context, self.ignore_index,
-               self.temperature, self.rollout_threshold, vocab_size, layout, self.group_names, self.position_buckets,
-               id(batch))
-        terms = shared_value(key, lambda: self._token_terms(batch, mask, groups, vocab_size, layout), keep=(batch,))
+        # GRPO, GSPO, CISPO and PPO of one call read the same microbatch view alike but for their clip counts:
+        # the per-token terms and their totals are computed once per call, under the view's key and every
+        # option they depend on (the methods that make them: a subclass may make them its own way).
+        key = ("grpo_terms", batch.key, self._token_terms.__func__, self._entropy.__func__, self.context,
+               self.ignore_index, self.temperature, self.rollout_threshold, vocab_size, layout, self.group_names,
+               self.position_buckets)
+        terms = call.shared(key, lambda: self._token_terms(call, batch, mask, groups, vocab_size, layout))
         sums = terms.sums
         if terms.log_ratio is not None and terms.advantages is not None:
             low, high, total = self.clip_counts(terms, batch)
@@ -249,15 +251,15 @@ class GRPOMetric(Metric):
             self._high_kl.keep(terms.kl, terms.ratio, terms.new, terms.old, terms.labels, terms.valid,
                                batch.first_sequence, batch.positions)
 
-    def _token_terms(self, batch: MicrobatchView, mask: torch.Tensor, groups: Optional[TokenSlices],
-                     vocab_size: Optional[int], layout: Optional[str]) -> TokenTerms:
+    def _token_terms(self, call: SharedCall, batch: MicrobatchView, mask: torch.Tensor,
+                     groups: Optional[TokenSlices], vocab_size: Optional[int], layout: Optional[str]) -> TokenTerms:
         """The microbatch's per-token terms and the totals of every state but the clip counts: each statistic
         masked by ``valid`` (counted, every input finite) and reduced together (see :mod:`..state.token_sums`)."""
         logps = batch.tensors["logps"]
         labels = to_device(batch.labels, logps.device)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
         new = logps.to(torch.float64) * scale if scale != 1.0 else logps.to(torch.float64)
-        entropy = self._entropy(batch, labels, vocab_size, layout)
+        entropy = self._entropy(call, batch, labels, vocab_size, layout)
         per_token, misaligned = {}, batch.misaligned_arrays
         for name, key, factor in (("rollout", "rollout_logps", 1.0), ("old", "old_logps", scale),
                                   ("advantages", "advantages", 1.0)):
@@ -289,9 +291,10 @@ class GRPOMetric(Metric):
         return TokenTerms(totals, max_totals(self.state_specs, maxima, valid, groups) if maxima else {},
                           misaligned, valid, labels, new, old_tokens, per_token.get("advantages"), log_ratio, ratio, kl)
 
-    def _entropy(self, batch: MicrobatchView, labels: torch.Tensor, vocab_size: Optional[int],
+    def _entropy(self, call: SharedCall, batch: MicrobatchView, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:
-        """Per-token entropy shaped like ``labels``: given, or from the (vocab-parallel) logits."""
+        """Per-token entropy shaped like ``labels``: given, or from the (vocab-parallel) logits (the call's
+        statistics of the microbatch, see :func:`.call_token_stats`)."""
         if "entropies" in batch.tensors:
             return to_device(batch.tensors["entropies"], labels.device)
         if batch.output.get("token_stats") is not None:
@@ -299,8 +302,8 @@ class GRPOMetric(Metric):
         logits = self._logits_for_entropy(batch, layout)
         if logits is None:
             return None
-        stats = logits_token_stats(logits, batch.tensors["labels"].reshape(labels.shape), self.context, vocab_size,
-                                   layout, self.ignore_index)
+        stats = call_token_stats(call, batch, logits, self.context, vocab_size, layout, self.ignore_index,
+                                 self.token_statistics)
         return to_device(stats.entropy.reshape(labels.shape), labels.device)
 
     def clip_counts(self, terms: TokenTerms, batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from ..inputs.microbatches import call_value, given
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import all_finite
-from ..inputs.view import MicrobatchView, ViewSpec, microbatch_views
+from ..inputs.view import MicrobatchView, ViewSpec
 from ..state.base import Metric, Number, SyncedStates
 
 _SUMS = ("tokens", "value_sum", "return_sum", "return_square_sum", "residual_sum", "residual_square_sum",
@@ -76,7 +77,8 @@ class PPOValueMetric(Metric):
         for name in _SUMS:
             self.add_state(name, "sum")
 
-    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
+    def accumulate_call(self, call: SharedCall) -> None:
+        outputs, kwargs = call.outputs, call.kwargs
         per_sequence = {name: call_value(name, kwargs, outputs) for name in ("old_values", "returns", "advantages")}
         if outputs is None or not given(outputs.get("values")) or per_sequence["old_values"] is None \
                 or per_sequence["returns"] is None:
@@ -84,7 +86,7 @@ class PPOValueMetric(Metric):
         spec = ViewSpec("PPOValueMetric", "values", per_sequence=tuple(name for name, value in per_sequence.items()
                                                                        if value is not None),
                         ignore_index=self.ignore_index, cp_gathered=self.cp_gathered)
-        for view in microbatch_views(inputs, outputs, kwargs, spec, self.context):
+        for view in call.views(spec, self.context):
             if view.counts_here:
                 self._accumulate_microbatch(view)
 

@@ -13,8 +13,10 @@ dict. Ranks whose data does not count (earlier pipeline stages, TP ranks other
 than 0, see :meth:`ParallelContext.counts_here`) contribute identity values, so
 the collectives always line up and nothing is counted twice.
 
-Every subclass's ``accumulate`` runs behind :mod:`.call_boundary` (keywords
-checked, NumPy arrays as tensors, autograd off).
+A subclass takes a call in one of two forms, each behind :mod:`.call_boundary` (keywords checked, NumPy
+arrays as tensors, autograd off): ``accumulate_call(call)``, a :class:`.SharedCall` whose views and token
+statistics the metrics of one call share (``accumulate(inputs, outputs, **kwargs)``, Twinkle's form, then makes
+the call object itself), or Twinkle's ``accumulate`` overridden, for a metric that shares nothing.
 
 When Twinkle is installed, :class:`Metric` also derives from
 ``twinkle.metric.Metric``, so Twinkle's ``add_metric`` / ``construct_class``
@@ -36,8 +38,9 @@ import torch.distributed as dist
 from ...parallel import ParallelContext
 from ..inputs.keywords import check_constructor_keywords, check_outputs_read, register_call_keywords
 from ..inputs.microbatches import given
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import all_finite, is_host_number
-from .call_boundary import at_the_call_boundary
+from .call_boundary import checked_accumulate, checked_call
 from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenSlices, check_group_names, slice_states, token_groups
 from .host_values import HostValues
 from .positions import position_buckets as check_position_buckets
@@ -116,9 +119,10 @@ class Metric(_Base):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         register_call_keywords(cls.call_keywords)
-        accumulate = cls.__dict__.get("accumulate")
-        if accumulate is not None:
-            cls.accumulate = at_the_call_boundary(accumulate)
+        if "accumulate_call" in cls.__dict__:
+            cls.accumulate_call = checked_call(cls.__dict__["accumulate_call"])
+        if "accumulate" in cls.__dict__:
+            cls.accumulate = checked_accumulate(cls.__dict__["accumulate"])
 
     def __init__(self, device_mesh: Any = None, process_group: Any = None, *, cp_gathered: Optional[bool] = None,
                  group_names: Optional[Any] = None, group_key: str = "dataset_id",
@@ -305,8 +309,21 @@ class Metric(_Base):
             self._context = ParallelContext.resolve(self.device_mesh, self.process_group)
         return self._context
 
-    def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
-        raise NotImplementedError
+    def accumulate(self, inputs: Any, outputs: Any = None, **kwargs: Any) -> None:
+        """Twinkle's form: one call's microbatches (see the subclass). A metric that shares per-call values with
+        others implements :meth:`accumulate_call`; used alone, it reads a call of its own."""
+        self.accumulate_call(SharedCall(inputs, outputs, kwargs, frozenset(self.token_statistics_for(outputs))))
+
+    def accumulate_call(self, call: SharedCall) -> None:
+        """Add one call (``call.inputs``, ``call.outputs``, ``call.kwargs``), reading what the metrics of the call
+        share through ``call`` (its views per spec, each microbatch's token statistics and classes)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither accumulate nor accumulate_call")
+
+    @classmethod
+    def reads_shared_call(cls) -> bool:
+        """Whether a collection hands this metric its :class:`.SharedCall` (``accumulate_call``): the metric
+        implements it, and no subclass overrides Twinkle's ``accumulate`` (whose code must then run)."""
+        return cls.accumulate is Metric.accumulate and cls.accumulate_call is not Metric.accumulate_call
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         """Results from the globally reduced states (scalars as floats, others as CPU tensors; gathered

@@ -121,16 +121,16 @@ def calculate_each(metrics: Iterable[Any]) -> list[tuple[Any, dict[str, Number]]
     """
     metrics = list(metrics)
     builtins = [m for m in metrics if is_builtin(m)]
-    synced_of = {id(m): states for m, states in zip(builtins, sync(builtins))} if builtins else {}
+    synced = iter(sync(builtins) if builtins else ())  # in the order of the built-ins among the metrics
     pieces: list[tuple[Any, dict]] = []
     error: Optional[Exception] = None
     for metric in metrics:
+        states = next(synced) if is_builtin(metric) else None
         try:
-            states = synced_of.get(id(metric))
             pieces.append((metric, metric.results(states) if states is not None else metric.calculate()))
         except Exception as exc:  # e.g. invalid labels: raised on every rank, after every metric is reset
             error = error or exc
-        if id(metric) in synced_of:
+        if states is not None:
             metric.reset()
     if error is not None:
         raise error
@@ -207,8 +207,8 @@ def sync(metrics: Sequence[Any]) -> list[SyncedStates]:
                 sums.append(flat)
             else:
                 maxes.append(flat if spec.reduce == "max" else -flat)
-    sized = [(m, m.sync_data_sized_sum() if m.counts_here() else None) for m in metrics
-             if getattr(m, "data_sized_sum", False)]
+    sized_at = [index for index, m in enumerate(metrics) if getattr(m, "data_sized_sum", False)]
+    sized = [(m, m.sync_data_sized_sum() if m.counts_here() else None) for m in (metrics[i] for i in sized_at)]
     maxes = [_shape_slots(local, device) for _, local in sized] + maxes
     sum_buffer = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
     max_buffer = _with_header(torch.cat(maxes) if maxes else torch.zeros(0, dtype=torch.float64, device=device),
@@ -235,10 +235,9 @@ def sync(metrics: Sequence[Any]) -> list[SyncedStates]:
             "stages only) leaves the others waiting until the process group's timeout") from error
     synced = _unpack(metrics, reduced_sums, reduced_maxes, records)
     offset = sum_buffer.numel()
-    by_metric = {id(m): states for m, states in zip(metrics, synced)}
-    for (metric, _), (rows, cols) in zip(sized, shapes):
+    for index, (rows, cols) in zip(sized_at, shapes):
         if rows * cols:
-            by_metric[id(metric)].data_sized_sum = reduced_sums[offset:offset + rows * cols].reshape(rows, cols)
+            synced[index].data_sized_sum = reduced_sums[offset:offset + rows * cols].reshape(rows, cols)
         offset += rows * cols
     return synced
 

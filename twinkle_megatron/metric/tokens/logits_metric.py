@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
 from ..inputs.keywords import check_layout_declared
 from ..inputs.microbatches import call_value
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import check_same_shape
-from ..inputs.view import ViewSpec, microbatch_views
+from ..inputs.view import ViewSpec
 from ..state.base import Metric, Number, SyncedStates
 from ..state.groups import TokenSlices
-from .logits_pass import Statistics, TokenClasses, check_vocab_size, logits_token_stats, shared_token_classes
+from .logits_pass import Statistics, TokenClasses, call_token_classes, call_token_stats, check_vocab_size
 
 
 class TokenBatch(NamedTuple):
@@ -50,15 +51,17 @@ class LogitsMetric(Metric):
         self.add_state("nonfinite_tokens", "sum")
         self.add_state("invalid_labels", "sum")
 
-    def _token_batches(self, inputs: Any, outputs: Any, kwargs: Mapping[str, Any]
-                       ) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenSlices]]]:
+    def _token_batches(self, call: SharedCall) -> Iterator[tuple[TokenBatch, TokenClasses, Optional[TokenSlices]]]:
         """(labels and statistics, classes, partitions) for each microbatch that has logits or statistics and
         counts here (partitions: groups and position buckets, see :meth:`Metric._token_groups`). The metric adds
         the classes' :meth:`problem_counts` with its own sums (one op for all, see :meth:`Metric._add_token_sums`).
 
+        The views, the statistics and the classes are the call's (:meth:`.SharedCall.views`,
+        :func:`.call_token_stats`, :func:`.call_token_classes`): made once for all the metrics of the call.
         ``vocab_size``, ``logits_layout`` and ``group_ids`` are per-call values
         (keyword, then outputs, then the constructor's).
         """
+        outputs, kwargs = call.outputs, call.kwargs
         if outputs is None:
             return
         vocab_size = check_vocab_size(call_value("vocab_size", kwargs, outputs, self.vocab_size))
@@ -67,7 +70,7 @@ class LogitsMetric(Metric):
                         positions=self.position_buckets is not None, ignore_index=self.ignore_index,
                         cp_gathered=self.cp_gathered, group_key=self.group_key if self.group_names else None,
                         layout=layout)
-        views = microbatch_views(inputs, outputs, kwargs, spec, self.context)
+        views = call.views(spec, self.context)
         for view in views:  # every check before any state changes
             check_layout_declared(self, view.output.get("logits"), view.labels, layout)
             stats = view.output.get("token_stats")
@@ -76,10 +79,13 @@ class LogitsMetric(Metric):
         for view in views:
             if not view.counts_here:
                 continue
-            stats = view.output.get("token_stats") if "logits" not in view.tensors else logits_token_stats(
-                view.tensors["logits"], view.labels, self.context, vocab_size, layout, self.ignore_index,
-                cache_key=id(view.output["logits"]), statistics=self.token_statistics)
-            classes = shared_token_classes(stats, view.labels, view.mask)
+            if "logits" in view.tensors:
+                source = ("logits", vocab_size, layout, self.ignore_index)
+                stats = call_token_stats(call, view, view.tensors["logits"], self.context, vocab_size, layout,
+                                         self.ignore_index, self.token_statistics)
+            else:
+                source, stats = ("given",), view.output["token_stats"]
+            classes = call_token_classes(call, view, stats, source)
             groups = self._token_groups(view.group_ids, classes.counted, view.mask, view.sequence_positions)
             yield TokenBatch(view.labels, stats), classes, groups
 

@@ -1,46 +1,41 @@
 """Per-token statistics of logits, aligned with the labels, computed once per microbatch.
 
-Every metric that reads logits (Accuracy, GRPO's entropy, …) gets them from
-:func:`logits_token_stats`. It matches the logits layout to the labels
-(``[b, s, v]``, Megatron's ``[s, b, v]``, or packed ``[t, v]``), runs the
-vocab-parallel pass over this rank's vocab shard (two TP collectives), and
-returns per-token results shaped like the labels. Inside
-:func:`sharing_token_stats` (which :class:`MetricCollection` opens around each
-``accumulate``) the pass runs once per microbatch, whatever the number of
-metrics reading it; only per-token results are cached, never the logits.
+:func:`logits_token_stats` matches the logits layout to the labels (``[b, s, v]``,
+Megatron's ``[s, b, v]``, or packed ``[t, v]``), runs the vocab-parallel pass over
+this rank's vocab shard (two TP collectives), and returns per-token results shaped
+like the labels; :func:`classify_tokens` splits a microbatch's counted tokens by
+what the statistics say of them.
+
+The metrics of one call (a :class:`.SharedCall`) read both through
+:func:`call_token_stats` and :func:`call_token_classes`: the pass runs once per
+microbatch, and its tokens are classified once per counted-token rule, whatever
+the number of metrics reading them; only per-token results are kept, never the
+logits. ``instrument()`` hands its call the statistics and classes its hooks made
+(:func:`give_token_classes`), so its tokens are classified once per microbatch.
 
 Each reader names the statistics it needs (``statistics``: a subset of
 :data:`STATISTICS`; a metric class declares them in its ``token_statistics``).
-When no reader of the block needs a probability, the pass is the argmax-only
+When no reader of the call needs a probability, the pass is the argmax-only
 one (:func:`.vocab_parallel_argmax_stats`: no exp, one TP collective); else the
 full pass (two TP collectives) serves every reader.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterable, Iterator, NamedTuple, Optional, Union
+from typing import Iterable, NamedTuple, Optional, Union
 
 import torch
 
 from ...ops import ArgmaxStats, TokenStats, vocab_parallel_argmax_stats, vocab_parallel_token_stats
 from ...parallel import ParallelContext
-from ..inputs.call_cache import call_values, sharing_call_values
+from ..inputs.shared_call import SharedCall
 from ..inputs.tensors import all_finite, to_device
+from ..inputs.view import MicrobatchView
 
 LAYOUTS = ("bsv", "sbv")
 STATISTICS = ("argmax", "logprobs", "entropy")
 PROBABILITIES = frozenset(("logprobs", "entropy"))  # what only the full pass (an exp per logit) gives
-_NEEDS = "statistics"  # the hint holding the statistics the block's readers declared
 Statistics = Union[TokenStats, ArgmaxStats]
-
-
-@contextlib.contextmanager
-def sharing_token_stats(statistics: Iterable[str] = STATISTICS) -> Iterator[None]:
-    """Within the block, the statistics of a (logits, labels) pair are computed once: the first reader
-    computes what ``statistics`` (the union of the block's readers' declarations) names."""
-    with sharing_call_values(**{_NEEDS: frozenset(statistics)}):
-        yield
 
 
 def resolve_layout(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[str] = None) -> str:
@@ -66,39 +61,44 @@ def resolve_layout(logits: torch.Tensor, labels: torch.Tensor, layout: Optional[
 
 def logits_token_stats(logits: torch.Tensor, labels: torch.Tensor, context: ParallelContext,
                        vocab_size: Optional[int] = None, layout: Optional[str] = None,
-                       ignore_index: int = -100, cache_key: Optional[int] = None,
-                       statistics: Iterable[str] = STATISTICS) -> Statistics:
+                       ignore_index: int = -100, statistics: Iterable[str] = STATISTICS) -> Statistics:
     """argmax, label log-prob and entropy of each token, shaped like ``labels``.
 
     ``logits`` is this rank's vocab shard when ``context.tp_size > 1``.
-    ``cache_key`` identifies the caller's logits when ``logits`` is a CP cut of them.
-    ``statistics`` names what the caller reads: without ``logprobs`` and ``entropy`` (and when no reader
-    of the :func:`sharing_token_stats` block needs them) the result is an :class:`.ArgmaxStats`.
+    ``statistics`` names what the caller reads: without ``logprobs`` and ``entropy`` the result is an
+    :class:`.ArgmaxStats` (the argmax-only pass).
     """
     layout = resolve_layout(logits, labels, layout)
-    # The logits identify the microbatch: every metric of a collection gets the same inputs, so
-    # the labels paired with these logits are the same (possibly re-concatenated) tokens.
-    key = (id(logits) if cache_key is None else cache_key, vocab_size, layout, ignore_index)
-    cache = call_values()
-    needs_probabilities = not PROBABILITIES.isdisjoint(statistics)
-    if cache is not None:
-        cached = cache.get(key)
-        if cached is not None and (isinstance(cached, TokenStats) or not needs_probabilities):
-            return cached
-        # An undeclared reader after an argmax-only one costs a second pass, never a wrong result.
-        needs_probabilities = needs_probabilities or not PROBABILITIES.isdisjoint(cache.get(_NEEDS, STATISTICS))
     group = context.tp_group if context.tp_size > 1 else None
-    if needs_probabilities:
+    if not PROBABILITIES.isdisjoint(statistics):
         aligned_labels = labels.t() if layout == "sbv" else labels
         stats = vocab_parallel_token_stats(logits, to_device(aligned_labels, logits.device), group=group,
                                            vocab_size=vocab_size, ignore_index=ignore_index)
     else:
         stats = vocab_parallel_argmax_stats(logits, group=group, vocab_size=vocab_size)
-    if layout == "sbv":
-        stats = transposed(stats)
-    if cache is not None:
-        # Holding the logits' id is safe: the caller's outputs keep them alive for the whole block.
-        cache[key] = stats
+    return transposed(stats) if layout == "sbv" else stats
+
+
+def call_token_stats(call: SharedCall, view: MicrobatchView, logits: torch.Tensor, context: ParallelContext,
+                     vocab_size: Optional[int], layout: Optional[str], ignore_index: int,
+                     statistics: Iterable[str]) -> Statistics:
+    """:func:`logits_token_stats` of the view's microbatch (``logits``: its logits, the view's labels), once per
+    call: the first reader computes what it and the call's declared readers (``call.statistics``) need.
+
+    Key: the microbatch's index in the call and its tokens' shape (the logits of a microbatch, cut or not, are
+    named by the tokens they cover), and the pass's options. An undeclared reader of probabilities after an
+    argmax-only pass costs a second pass, never a wrong result.
+    """
+    labels = view.labels
+    key = ("token_stats", view.index, tuple(labels.shape), vocab_size, layout, ignore_index)
+    needs_probabilities = not PROBABILITIES.isdisjoint(statistics)
+    kept = call.get(key)
+    if kept is not None and (isinstance(kept, TokenStats) or not needs_probabilities):
+        return kept
+    declared = STATISTICS if call.statistics is None else call.statistics
+    wanted = STATISTICS if needs_probabilities or not PROBABILITIES.isdisjoint(declared) else ("argmax",)
+    stats = logits_token_stats(logits, labels, context, vocab_size, layout, ignore_index, wanted)
+    call.give(key, stats)
     return stats
 
 
@@ -146,16 +146,23 @@ def classify_tokens(stats: Statistics, mask: torch.Tensor, labels: Optional[torc
     return TokenClasses(counted, nonfinite, mask ^ counted ^ nonfinite)
 
 
-def shared_token_classes(stats: Statistics, labels: torch.Tensor, mask: torch.Tensor) -> TokenClasses:
-    """The classes of a microbatch's counted tokens (``mask``: its view's), computed once per microbatch for all
-    metrics of a collection: inside :func:`sharing_token_stats` the result is kept next to the statistics it was
-    made from (the same statistics, labels and mask objects give the same classes)."""
-    key = ("classes", id(stats), id(labels), id(mask))
-    cache = call_values()
-    if cache is not None and key in cache:
-        return cache[key][0]
-    classes = classify_tokens(stats, mask, labels)
-    if cache is not None:
-        # The keyed objects are kept with the entry: their ids cannot be reused while the block lasts.
-        cache[key] = (classes, stats, labels, mask)
-    return classes
+def token_classes_key(index: int, token_shape: tuple, stats_source: tuple, mask_rule: tuple) -> tuple:
+    """The name of a microbatch's token classes in its call: its index and tokens' shape, where its statistics
+    came from (``("logits", vocab_size, layout, ignore_index)`` or ``("given",)``: the call's ``token_stats``),
+    and the rule of the counted-token mask (:attr:`.MicrobatchView.mask_rule`)."""
+    return ("token_classes", index, token_shape, stats_source, mask_rule)
+
+
+def call_token_classes(call: SharedCall, view: MicrobatchView, stats: Statistics, stats_source: tuple
+                       ) -> TokenClasses:
+    """:func:`classify_tokens` of the view's counted tokens, once per call for every view that counts its
+    microbatch's tokens by the same rule (or as ``instrument()`` gave them: :func:`give_token_classes`)."""
+    key = token_classes_key(view.index, tuple(view.labels.shape), stats_source, view.mask_rule)
+    return call.shared(key, lambda: classify_tokens(stats, view.mask, view.labels))
+
+
+def give_token_classes(call: SharedCall, classes: TokenClasses, ignore_index: int) -> None:
+    """Hand a one-microbatch call (``instrument()``'s) the classes made from its ``token_stats`` output over
+    :func:`.token_mask` of its labels and completion mask as given, with ``ignore_index``: every view counting
+    the same tokens reads them instead of classifying again."""
+    call.give(token_classes_key(0, tuple(classes.counted.shape), ("given",), ("token_mask", ignore_index)), classes)
