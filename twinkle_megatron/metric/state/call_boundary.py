@@ -4,8 +4,8 @@ A metric takes a call in one of two forms, and :class:`~.base.Metric` wraps each
 ``__init_subclass__``) with the checks below:
 
 * ``accumulate_call(call)`` (:func:`checked_call`): a :class:`..inputs.shared_call.SharedCall`, whose views
-  and token statistics the metrics of one call share (a collection hands its call to each metric; ``Metric.accumulate`` makes one
-  for a metric used alone);
+  and token statistics the metrics of one call share (a collection hands its call to each metric;
+  ``Metric.accumulate`` makes one for a metric used alone);
 * Twinkle's ``accumulate(inputs, outputs, **kwargs)`` (:func:`checked_accumulate`), for metrics that share
   nothing with the others (and user metrics): NumPy arrays turned into tensors first.
 
