@@ -118,7 +118,8 @@ def _every_documented_key() -> dict:
 
 
 PER_LAYER = ("grad_norm/layer_00", "grad_norm/embedding", "grad_norm/output_layer", "grad_norm/final_norm",
-             "grad_norm/other", "param_norm/layer_00", "moe/layer_0/expert_1_utilization", "moe/layer_3/utilization_max")
+             "grad_norm/other", "param_norm/layer_00", "moe/layer_0/expert_1_utilization",
+             "moe/layer_3/utilization_max")
 
 
 def test_stdout_full_line_prints_every_documented_key_but_the_per_layer_ones():

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from .. import keys
+from .axes_style import fraction_axis, legend_below
 from .incidents import mark_incidents
+from .layer_norms import draw_layer_grad_norms, layer_grad_norm_keys
 from .positions import draw_loss_by_position, position_keys
 
 if TYPE_CHECKING:
@@ -59,7 +61,7 @@ def _line(axes: Any, log: RunLog, key: str, label: str, **style: Any) -> Optiona
 
 
 def _finish(axes: Any, handles: Sequence[Optional[Any]], ylabel: str, percent: bool = False) -> None:
-    """Axis labels, grid, integer steps and one legend for the handles of both y axes."""
+    """Axis labels, grid, integer steps and one legend for the handles of both y axes, below the axes."""
     from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     axes.set_xlabel("step")
@@ -68,17 +70,14 @@ def _finish(axes: Any, handles: Sequence[Optional[Any]], ylabel: str, percent: b
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if percent:
         axes.yaxis.set_major_formatter(PercentFormatter(1.0))
-    shown = [handle for handle in handles if handle is not None]
-    if shown:
-        axes.legend(shown, [handle.get_label() for handle in shown], loc="best", fontsize="small", framealpha=0.9)
+    legend_below(axes, [handle for handle in handles if handle is not None])
 
 
 def _twin(axes: Any, ylabel: str, color: str) -> Any:
     """A second y axis on the right for a series of another unit, coloured like it.
 
-    The main axes are raised above it: their curves are the panel's subject,
-    and their legend (placed where their curves are not) must not disappear
-    under the second axis' series.
+    The main axes are raised above it: their curves are the panel's subject
+    and are drawn over the second axis' series.
     """
     right = axes.twinx()
     axes.set_zorder(right.get_zorder() + 1)
@@ -108,6 +107,7 @@ def _draw_loss(axes: Any, log: RunLog) -> None:
 def _draw_accuracy(axes: Any, log: RunLog) -> None:
     handles = [_line(axes, log, "accuracy", "token accuracy", color="C2", linewidth=1.8),
                _line(axes, log, "eval/accuracy", "eval accuracy", color="C3", linewidth=1.5)]
+    fraction_axis(axes)
     _finish(axes, handles, "accuracy", percent=True)
 
 
@@ -203,7 +203,7 @@ def _draw_optimizer(axes: Any, log: RunLog) -> None:
     if keys.LEARNING_RATE in log.keys:
         right = _twin(axes, "learning rate", "C1")
         handles.append(_line(right, log, keys.LEARNING_RATE, "learning rate", color="C1", linewidth=1.5))
-        right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # no "1e-4" offset text over the legend
+        right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # no "1e-4" offset text over the title
     _finish(axes, handles, "gradient norm")
 
 
@@ -248,7 +248,8 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
 
     by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
                          draw_loss_by_position)] if position_keys(log) else []
-    panels = [*PANELS, *dataset_panels(log), *by_position, *moe_panels(log), *(key_panel(key) for key in extra_keys)]
+    panels = [*PANELS, *dataset_panels(log), *by_position, *layer_norm_panels(log), *moe_panels(log),
+              *(key_panel(key) for key in extra_keys)]
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
     skipped = [panel.name for panel in panels if panel not in drawn]
@@ -375,6 +376,7 @@ def _draw_datasets(axes: Any, log: RunLog) -> None:
         from matplotlib.ticker import PercentFormatter
 
         right.yaxis.set_major_formatter(PercentFormatter(1.0))
+        fraction_axis(right)
     _finish(axes, handles, "loss")
 
 
@@ -395,3 +397,12 @@ def moe_panels(log: RunLog) -> List[Panel]:
     if load_keys:
         panels.append(Panel("moe_load", _moe_load_title, load_keys, _draw_moe_load))
     return panels
+
+
+# ------------------------------------------------------------------ per-layer norms (record_grad_norms)
+
+def layer_norm_panels(log: RunLog) -> List[Panel]:
+    """For a log with per-layer gradient norms (``grad_norm/layer_NN``): their layer × step heat map."""
+    layer_keys = tuple(key for _, key in layer_grad_norm_keys(log))
+    return [Panel("layer_grad_norms", "Gradient norm per layer", layer_keys, draw_layer_grad_norms)] \
+        if layer_keys else []
