@@ -64,8 +64,7 @@ def draw_layer_grad_norms(axes: Any, log: RunLog) -> None:
         low, high = low / 3, high * 3
     # A zero norm (a frozen layer) takes the lowest colour; only a non-finite one is masked (black).
     cells = numpy.ma.masked_invalid(numpy.where(numpy.isfinite(values), numpy.maximum(values, low), numpy.nan))
-    colours = colormaps["viridis"].copy()
-    colours.set_bad("black")
+    colours = colormaps["viridis"].with_extremes(bad="black")
     mesh = axes.pcolormesh(_edges([float(step) for step in steps]), _edges([float(layer) for layer in layers]),
                            cells, cmap=colours, norm=LogNorm(vmin=low, vmax=high), shading="flat")
     axes.figure.colorbar(mesh, ax=axes, label="‖g‖₂ of the layer (log scale; black: non-finite)")

@@ -241,43 +241,63 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
     skipped because the log has none of their keys. Raises
     :class:`MissingMatplotlib` when matplotlib is not installed.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise MissingMatplotlib("matplotlib is not installed") from error
-
-    by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
-                         draw_loss_by_position)] if position_keys(log) else []
-    panels = [*PANELS, *dataset_panels(log), *by_position, *layer_norm_panels(log), *moe_panels(log),
-              *(key_panel(key) for key in extra_keys)]
+    _figure_class()  # no matplotlib: say so before anything is written
+    panels = run_panels(log, extra_keys)
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
     skipped = [panel.name for panel in panels if panel not in drawn]
     if not drawn:
         return [], skipped
     os.makedirs(output_dir, exist_ok=True)
-    steps = [record["step"] for record in log.records]
-    run_title = f"{os.path.basename(os.path.dirname(os.path.abspath(log.path))) or log.path}: " \
-                f"steps {steps[0]}..{steps[-1]}, {len(log.records)} records"
+    written = [_save(overview_figure(log, drawn), os.path.join(output_dir, "overview.png"))]
+    for panel in drawn:
+        written.append(_save(panel_figure(log, panel), os.path.join(output_dir, f"{panel.name}.png")))
+    return written, skipped
 
-    written = []
-    columns = 1 if len(drawn) == 1 else 2
-    rows = math.ceil(len(drawn) / columns)
-    overview = Figure(figsize=(7.5 * columns, 3.8 * rows), dpi=100, layout="constrained")
-    overview.suptitle(run_title, fontsize="large")
-    for index, panel in enumerate(drawn):
+
+def run_panels(log: RunLog, extra_keys: Sequence[str] = ()) -> List[Panel]:
+    """Every panel :func:`plot_run` considers for ``log``: the fixed ones, then those the log's keys call for
+    (per dataset, by position, per layer, MoE), then one per extra key."""
+    by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
+                         draw_loss_by_position)] if position_keys(log) else []
+    return [*PANELS, *dataset_panels(log), *by_position, *layer_norm_panels(log), *moe_panels(log),
+            *(key_panel(key) for key in extra_keys)]
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise MissingMatplotlib("matplotlib is not installed") from error
+    return Figure
+
+
+def _run_title(log: RunLog) -> str:
+    steps = [record["step"] for record in log.records]
+    return f"{os.path.basename(os.path.dirname(os.path.abspath(log.path))) or log.path}: " \
+           f"steps {steps[0]}..{steps[-1]}, {len(log.records)} records"
+
+
+def overview_figure(log: RunLog, panels: Sequence[Panel]) -> Any:
+    """The figure of ``overview.png``: ``panels`` in two columns (one for a single panel), under the run's title."""
+    columns = 1 if len(panels) == 1 else 2
+    rows = math.ceil(len(panels) / columns)
+    overview = _figure_class()(figsize=(7.5 * columns, 3.8 * rows), dpi=100, layout="constrained")
+    overview.suptitle(_run_title(log), fontsize="large")
+    for index, panel in enumerate(panels):
         axes = overview.add_subplot(rows, columns, index + 1)
         axes.set_title(_title(panel, log))
         panel.draw(axes, log)
-    written.append(_save(overview, os.path.join(output_dir, "overview.png")))
+    return overview
 
-    for panel in drawn:
-        figure = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
-        axes = figure.add_subplot()
-        axes.set_title(f"{_title(panel, log)} ({run_title})", fontsize="medium")
-        panel.draw(axes, log)
-        written.append(_save(figure, os.path.join(output_dir, f"{panel.name}.png")))
-    return written, skipped
+
+def panel_figure(log: RunLog, panel: Panel) -> Any:
+    """The figure of ``<panel>.png``: the panel alone, titled with the run."""
+    figure = _figure_class()(figsize=(8, 4.5), dpi=110, layout="constrained")
+    axes = figure.add_subplot()
+    axes.set_title(f"{_title(panel, log)} ({_run_title(log)})", fontsize="medium")
+    panel.draw(axes, log)
+    return figure
 
 
 def _title(panel: Panel, log: RunLog) -> str:
