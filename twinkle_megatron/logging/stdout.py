@@ -92,6 +92,9 @@ _ALARMS = (keys.NONFINITE_LOSS_STEPS, keys.NONFINITE_LOSSES, keys.NONFINITE_TOKE
            keys.INVALID_LABELS, keys.INVALID_GROUP_IDS, keys.MISALIGNED_ARRAYS)
 # Keys that grow with the model (layers, layers × experts): for the files and the charts, never on the line.
 PER_LAYER_PREFIXES = (keys.MOE_LAYER_PREFIX, *keys.LAYER_NORM_DETAIL_PREFIXES)
+# The token counts behind Accuracy's ratio (and their per-dataset, per-position and eval twins): the accuracy on
+# the line says what they say; the record keeps them.
+TOKEN_COUNTS = ("correct_tokens", "total_tokens")
 
 
 class StdoutBackend(Backend):
@@ -103,14 +106,15 @@ class StdoutBackend(Backend):
     memory, and for MoE models the largest expert-load imbalance), then the ``extra_keys`` the record
     holds (``accuracy/<dataset>``...), then every evaluation value (``eval/*``, from ``log_eval``).
     ``detail="full"`` prints every numeric key of the record: the tracker's keys in the order of
-    the line, then the others (metrics of the collection, their counts, per-dataset keys, ``eval/*``)
-    in the record's order, except the keys that grow with the model (:data:`PER_LAYER_PREFIXES`:
+    the line, then the others (metrics of the collection, per-dataset keys, ``eval/*``) in the
+    record's order, except the keys that grow with the model (:data:`PER_LAYER_PREFIXES`:
     ``moe/layer_*``, ``grad_norm/<part>``, ``param_norm/*``; their total and largest layer are
-    shown). Either way the anomaly counts are appended in capitals when non-zero (non-finite values, a
-    loss spike, skipped steps, OOMs, allocation retries, hook failures, input mistakes) so they stand
-    out, a key is printed in the format of the key it refines (``accuracy/easy`` and
-    ``eval/accuracy`` like ``accuracy``), and numbers keep at least 3 significant digits. The JSONL
-    backend keeps the full record whatever this line shows.
+    shown) and the token counts behind the accuracy (:data:`TOKEN_COUNTS`, with their
+    ``/<dataset>`` and ``eval/`` twins). Either way the anomaly counts are appended in capitals
+    when non-zero (non-finite values, a loss spike, skipped steps, OOMs, allocation retries, hook
+    failures, input mistakes) so they stand out, a key is printed in the format of the key it
+    refines (``accuracy/easy`` and ``eval/accuracy`` like ``accuracy``), and numbers keep at
+    least 3 significant digits. The JSONL backend keeps the full record whatever this line shows.
     """
 
     name = "stdout"
@@ -135,19 +139,21 @@ class StdoutBackend(Backend):
             parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE
                       if key in COMPACT_KEYS and key in record]
             later = [*_COMPACT_OFF_LINE, *self.extra_keys]
-            later += [key for key in record if key.startswith(keys.EVAL_PREFIX) and key not in later]
+            later += [key for key in record if key.startswith(keys.EVAL_PREFIX) and key not in later
+                      and _refined(key) not in TOKEN_COUNTS]
             parts += [f"{key} {_format(key, record[key])}" for key in later if key in record]
         else:
             parts += [f"{label} {fmt(record[key])}" for key, label, fmt in _LINE if key in record]
             parts += [f"{key} {_format(key, value)}" for key, value in record.items()
-                      if key not in _FORMAT_OF and key not in _ALARMS and not key.startswith(PER_LAYER_PREFIXES)]
+                      if key not in _FORMAT_OF and key not in _ALARMS and not key.startswith(PER_LAYER_PREFIXES)
+                      and _refined(key) not in TOKEN_COUNTS]
         parts += [f"{_alarm(key)} {_plain(record[key])}" for key in _ALARMS if record.get(key)]
         return " | ".join(parts)
 
 
 def _refined(key: str) -> str:
-    """The key whose format ``key`` takes: ``accuracy/easy`` → ``accuracy``, ``eval/loss`` → ``loss``,
-    ``eval/accuracy/easy`` → ``accuracy``; a key without ``/`` is its own."""
+    """The key ``key`` refines, whose format it takes: ``accuracy/easy`` → ``accuracy``, ``eval/loss`` →
+    ``loss``, ``eval/accuracy/easy`` → ``accuracy``; a key without ``/`` is its own."""
     if key.startswith(keys.EVAL_PREFIX):
         key = key[len(keys.EVAL_PREFIX):]
         if key in _FORMAT_OF:
