@@ -524,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "installed, is refused before any rank starts")
     logging_.add_argument("--stdout", choices=("compact", "full"), default="compact",
                           help="the console's step line: compact (loss, accuracy per dataset, throughput, step "
-                               "time) or full (every key); RUN_DIR/metrics.jsonl always has every key")
+                               "time) or full (every key but the per-layer ones); RUN_DIR/metrics.jsonl always has "
+                               "every key")
     logging_.add_argument("--megatron-warnings", action="store_true",
                           help="show megatron-core's own warnings and log messages on the console (hidden by "
                                "default: on a CPU they are about Apex, TE and CUDA graphs the demo does not use)")

@@ -93,8 +93,89 @@ def test_stdout_prints_per_dataset_keys_like_their_metric(capsys):
     logger.log({"accuracy": 0.5, "accuracy/easy": 1.0, "correct_tokens/easy": 2480.0, "total_tokens/easy": 2480.0,
                 "loss/hard": 3.339912, "eval/accuracy": 0.25, "rewards/margins": 0.123456789}, 3)
     line = capsys.readouterr().out.strip()
-    assert line == ("step 3 | accuracy 0.5000 | accuracy/easy 1.0000 | loss/hard 3.3399 | eval/accuracy 0.25 | "
-                    "rewards/margins 0.123457")
+    assert line == ("step 3 | accuracy 0.5000 | accuracy/easy 1.0000 | loss/hard 3.3399 | eval/accuracy 0.2500 | "
+                    "rewards/margins 0.123457")  # the token counts behind the accuracy stay in the record
+
+
+def _every_documented_key() -> dict:
+    """A record holding every key docs/tracker.md, docs/moe.md and docs/step-health.md name, each value distinct,
+    with the metrics' keys, per-dataset and evaluation keys, and the per-layer keys (norms, MoE)."""
+    from twinkle_megatron import keys
+    from twinkle_megatron.tracker.layer_norms import compact_view
+
+    names = [key for key, _ in keys.TRACKER_KEYS + keys.MOE_KEYS]
+    names += ["accuracy", "correct_tokens", "total_tokens", "logprob", "entropy", "accuracy/easy",
+              "correct_tokens/easy", "loss/hard", "rewards/margins", "eval/loss", "eval/accuracy", keys.GRAD_NORM_TOTAL]
+    record = {key: 0.25 + index for index, key in enumerate(names)}
+    for alarm in (keys.NONFINITE_TOKENS, keys.INVALID_LABELS, keys.METRIC_HOOK_FAILURES, keys.MISALIGNED_ARRAYS):
+        record[alarm] = 2
+    record.update(compact_view([0.5, 3.0, 1.0]))
+    record.update({keys.layer_grad_norm_key(part): 1.5 for part in ("layer_00", "embedding", "output_layer",
+                                                                    "final_norm", "other")})
+    record.update({keys.layer_param_norm_key("layer_00"): 7.5, keys.moe_layer_key(0, "expert_1_utilization"): 0.5,
+                   keys.moe_layer_key(3, "utilization_max"): 1.75})
+    return record
+
+
+LEFT_OUT = ("correct_tokens", "total_tokens", "correct_tokens/easy",  # the accuracy's counts
+            "grad_norm/layer_00", "grad_norm/embedding", "grad_norm/output_layer", "grad_norm/final_norm",
+            "grad_norm/other", "param_norm/layer_00", "moe/layer_0/expert_1_utilization",
+            "moe/layer_3/utilization_max")  # per-layer keys
+
+
+def test_stdout_full_line_prints_every_documented_key_but_the_per_layer_ones_and_the_token_counts():
+    """docs/backends.md: the full line prints every numeric key except the keys that grow with the model and the
+    token counts behind the accuracy. A key is on the line when taking it out of the record changes the line."""
+    from twinkle_megatron import keys
+
+    record = _every_documented_key()
+    console = StdoutBackend(detail="full")
+    line = console.line(record, 5)
+    for key in record:
+        without = console.line({k: v for k, v in record.items() if k != key}, 5)
+        assert (without != line) == (key not in LEFT_OUT), f"{key}: {'left out of' if without == line else 'on'} " \
+                                                              f"the full line {line!r}"
+    assert line.count(" | ") == len(record) - len(LEFT_OUT)  # 'step 5', then one part per key: each key once
+    assert f"LOSS_SPIKE {record[keys.LOSS_SPIKE]}" in line and "LOSS_SPIKE" not in console.line(
+        {**record, keys.LOSS_SPIKE: 0}, 5)  # an anomaly count is shown when non-zero
+    assert all(f" | {alarm} 2" in line for alarm in ("NONFINITE_TOKENS", "INVALID_LABELS", "METRIC_HOOK_FAILURES",
+                                                     "MISALIGNED_ARRAYS"))
+    assert "grad_norm/total 55.250 | max_layer 1 | max_layer_norm 3.000 | max_layer/median 3.00x" in line
+    assert "eval/accuracy" in line and "accuracy/easy" in line
+
+
+def test_stdout_compact_line_shows_the_total_gradient_norm_and_the_largest_layer(capsys):
+    """docs/step-health.md: the console line shows grad_norm/total and the layer with the largest norm."""
+    from twinkle_megatron.tracker.layer_norms import compact_view
+
+    record = {"loss": 2.0, "grad_norm": 1.25, "grad_norm/total": 1.25, "grad_norm/layer_00": 0.5,
+              "grad_norm/layer_01": 3.0, "grad_norm/embedding": 0.2, "param_norm/layer_00": 9.0,
+              **compact_view([0.5, 3.0, 1.0])}
+    StdoutBackend().write(record, 10)
+    assert capsys.readouterr().out.strip() == ("step 10 | loss 2.0000 | grad_norm 1.250 | grad_norm/total 1.250 | "
+                                               "max_layer 1 | max_layer/median 3.00x")
+
+
+def test_stdout_compact_line_of_an_evaluation_step_shows_its_values(tmp_path, capsys):
+    """An evaluation logged by the tracker (``log_eval``) reaches the compact line, each value formatted like the
+    key it evaluates; a training step's compact line shows the evaluation values it holds as well."""
+    from twinkle_megatron import Accuracy, LossMetric
+
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=10, backends=[StdoutBackend(), "jsonl"],
+                                                  log_dir=str(tmp_path)))
+    for step in range(1, 11):
+        tracker.end_step(step, loss=2.0, lr=1e-3)
+    capsys.readouterr()
+    loss, accuracy = LossMetric(), Accuracy()
+    loss.accumulate({}, {"loss": 1.5})
+    logits = torch.tensor([[[0.0, 3.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 5.0, 0.0]]])
+    accuracy.accumulate({"labels": torch.tensor([[1, 0, 1, 1]])}, {"logits": logits})
+    tracker.log_eval(metrics=[loss, accuracy], perplexity=torch.tensor(4.0))
+    tracker.close()
+    line = capsys.readouterr().out.strip()
+    assert line == "step 10 | eval/loss 1.5000 | eval/accuracy 0.7500 | eval/perplexity 4", line
+    StdoutBackend().write({"loss": 2.0, "eval/loss": 1.5}, 20)
+    assert capsys.readouterr().out.strip() == "step 20 | loss 2.0000 | eval/loss 1.5000"
 
 
 class ExplodingBackend(Backend):

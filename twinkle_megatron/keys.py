@@ -188,6 +188,23 @@ LAYER_NORM_DETAIL_PREFIXES = (GRAD_NORM_PREFIX + "layer_", GRAD_NORM_PREFIX + "e
                               GRAD_NORM_PREFIX + "other", PARAM_NORM_PREFIX)
 
 
+_LAYER_PART = re.compile(r"layer_(\d+)")
+
+
+def layer_part(layer: int, num_layers: int) -> str:
+    """``layer_07``: the part name of global 0-based ``layer`` in a model of ``num_layers`` layers (zero-padded to
+    two digits, more past 100 layers, so the names sort in layer order)."""
+    width = max(2, len(str(max(num_layers - 1, 0))))
+    return f"layer_{layer:0{width}d}"
+
+
+def parse_layer_part(part: str) -> Optional[int]:
+    """The layer of a part name made by :func:`layer_part` (``layer_07`` -> 7); None for any other part
+    (``embedding``, ``total``, ``max_layer``)."""
+    match = _LAYER_PART.fullmatch(part)
+    return int(match.group(1)) if match else None
+
+
 def layer_grad_norm_key(part: str) -> str:
     """``grad_norm/{part}``: ``part`` is ``layer_07`` (global 0-based layer), ``embedding``, ``output_layer``..."""
     return GRAD_NORM_PREFIX + part

@@ -36,6 +36,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..keys import layer_part
+
 PARTS = ("embedding", "output_layer", "final_norm", "other")
 
 
@@ -70,8 +72,7 @@ class LayerParameters:
                  num_layers: Optional[int] = None) -> None:
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         self.num_layers = num_layers if num_layers is not None else _num_layers(chunks)
-        width = max(2, len(str(max(self.num_layers - 1, 0))))
-        self.slot_names: tuple[str, ...] = (*(f"layer_{i:0{width}d}" for i in range(self.num_layers)), *PARTS)
+        self.slot_names: tuple[str, ...] = (*(layer_part(i, self.num_layers) for i in range(self.num_layers)), *PARTS)
         owned = _owned_ranges(optimizer)
         if owned is None and any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False)
                                  for c in chunks):

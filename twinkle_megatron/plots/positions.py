@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any, List, Tuple
 
 from .. import keys
+from .axes_style import BELOW_X_LABEL_POINTS, legend_below
 
 if TYPE_CHECKING:
     from ..logging.runlog import RunLog
@@ -37,14 +38,18 @@ def draw_loss_by_position(axes: Any, log: RunLog) -> None:
     if not records:
         return
     chosen = sorted({0, len(records) // 2, len(records) - 1})
+    handles = []
     for shade, index in enumerate(chosen):
         record = records[index]
         values = [record.get(key, math.nan) for _, _, key in buckets]
-        axes.plot(range(len(buckets)), values, marker="o", markersize=3, color=f"C{shade}",
-                  label=f"step {record['step']}")
+        handles += axes.plot(range(len(buckets)), values, marker="o", markersize=3, color=f"C{shade}",
+                             label=f"step {record['step']}")
+    rotated = len(buckets) > 6
     axes.set_xticks(range(len(buckets)))
-    axes.set_xticklabels([f"{first}-{end - 1}" for first, end, _ in buckets], rotation=30 if len(buckets) > 6 else 0)
+    axes.set_xticklabels([f"{first}-{end - 1}" for first, end, _ in buckets], rotation=30 if rotated else 0)
     axes.set_xlabel("token position in its sequence")
     axes.set_ylabel("loss")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+    # Labels turned by 30 degrees stand taller: about half their width more ("4096-8191" is ~45 points wide).
+    longest = max(len(f"{first}-{end - 1}") for first, end, _ in buckets)
+    legend_below(axes, handles, BELOW_X_LABEL_POINTS + (longest * 5.5 * 0.5 if rotated else 0))

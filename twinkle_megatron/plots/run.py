@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from .. import keys
+from .axes_style import fraction_axis, legend_below
 from .incidents import mark_incidents
+from .layer_norms import draw_layer_grad_norms, layer_grad_norm_keys
 from .positions import draw_loss_by_position, position_keys
 
 if TYPE_CHECKING:
@@ -59,7 +61,7 @@ def _line(axes: Any, log: RunLog, key: str, label: str, **style: Any) -> Optiona
 
 
 def _finish(axes: Any, handles: Sequence[Optional[Any]], ylabel: str, percent: bool = False) -> None:
-    """Axis labels, grid, integer steps and one legend for the handles of both y axes."""
+    """Axis labels, grid, integer steps and one legend for the handles of both y axes, below the axes."""
     from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     axes.set_xlabel("step")
@@ -68,17 +70,14 @@ def _finish(axes: Any, handles: Sequence[Optional[Any]], ylabel: str, percent: b
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if percent:
         axes.yaxis.set_major_formatter(PercentFormatter(1.0))
-    shown = [handle for handle in handles if handle is not None]
-    if shown:
-        axes.legend(shown, [handle.get_label() for handle in shown], loc="best", fontsize="small", framealpha=0.9)
+    legend_below(axes, [handle for handle in handles if handle is not None])
 
 
 def _twin(axes: Any, ylabel: str, color: str) -> Any:
     """A second y axis on the right for a series of another unit, coloured like it.
 
-    The main axes are raised above it: their curves are the panel's subject,
-    and their legend (placed where their curves are not) must not disappear
-    under the second axis' series.
+    The main axes are raised above it: their curves are the panel's subject
+    and are drawn over the second axis' series.
     """
     right = axes.twinx()
     axes.set_zorder(right.get_zorder() + 1)
@@ -108,6 +107,7 @@ def _draw_loss(axes: Any, log: RunLog) -> None:
 def _draw_accuracy(axes: Any, log: RunLog) -> None:
     handles = [_line(axes, log, "accuracy", "token accuracy", color="C2", linewidth=1.8),
                _line(axes, log, "eval/accuracy", "eval accuracy", color="C3", linewidth=1.5)]
+    fraction_axis(axes)
     _finish(axes, handles, "accuracy", percent=True)
 
 
@@ -203,7 +203,7 @@ def _draw_optimizer(axes: Any, log: RunLog) -> None:
     if keys.LEARNING_RATE in log.keys:
         right = _twin(axes, "learning rate", "C1")
         handles.append(_line(right, log, keys.LEARNING_RATE, "learning rate", color="C1", linewidth=1.5))
-        right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # no "1e-4" offset text over the legend
+        right.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))  # no "1e-4" offset text over the title
     _finish(axes, handles, "gradient norm")
 
 
@@ -241,42 +241,63 @@ def plot_run(log: RunLog, output_dir: str, extra_keys: Sequence[str] = ()) -> Tu
     skipped because the log has none of their keys. Raises
     :class:`MissingMatplotlib` when matplotlib is not installed.
     """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise MissingMatplotlib("matplotlib is not installed") from error
-
-    by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
-                         draw_loss_by_position)] if position_keys(log) else []
-    panels = [*PANELS, *dataset_panels(log), *by_position, *moe_panels(log), *(key_panel(key) for key in extra_keys)]
+    _figure_class()  # no matplotlib: say so before anything is written
+    panels = run_panels(log, extra_keys)
     present = set(log.keys)
     drawn = [panel for panel in panels if _has_data(log, panel, present)]
     skipped = [panel.name for panel in panels if panel not in drawn]
     if not drawn:
         return [], skipped
     os.makedirs(output_dir, exist_ok=True)
-    steps = [record["step"] for record in log.records]
-    run_title = f"{os.path.basename(os.path.dirname(os.path.abspath(log.path))) or log.path}: " \
-                f"steps {steps[0]}..{steps[-1]}, {len(log.records)} records"
+    written = [_save(overview_figure(log, drawn), os.path.join(output_dir, "overview.png"))]
+    for panel in drawn:
+        written.append(_save(panel_figure(log, panel), os.path.join(output_dir, f"{panel.name}.png")))
+    return written, skipped
 
-    written = []
-    columns = 1 if len(drawn) == 1 else 2
-    rows = math.ceil(len(drawn) / columns)
-    overview = Figure(figsize=(7.5 * columns, 3.8 * rows), dpi=100, layout="constrained")
-    overview.suptitle(run_title, fontsize="large")
-    for index, panel in enumerate(drawn):
+
+def run_panels(log: RunLog, extra_keys: Sequence[str] = ()) -> List[Panel]:
+    """Every panel :func:`plot_run` considers for ``log``: the fixed ones, then those the log's keys call for
+    (per dataset, by position, per layer, MoE), then one per extra key."""
+    by_position = [Panel("positions", "Loss by position", tuple(key for *_, key in position_keys(log)),
+                         draw_loss_by_position)] if position_keys(log) else []
+    return [*PANELS, *dataset_panels(log), *by_position, *layer_norm_panels(log), *moe_panels(log),
+            *(key_panel(key) for key in extra_keys)]
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise MissingMatplotlib("matplotlib is not installed") from error
+    return Figure
+
+
+def _run_title(log: RunLog) -> str:
+    steps = [record["step"] for record in log.records]
+    return f"{os.path.basename(os.path.dirname(os.path.abspath(log.path))) or log.path}: " \
+           f"steps {steps[0]}..{steps[-1]}, {len(log.records)} records"
+
+
+def overview_figure(log: RunLog, panels: Sequence[Panel]) -> Any:
+    """The figure of ``overview.png``: ``panels`` in two columns (one for a single panel), under the run's title."""
+    columns = 1 if len(panels) == 1 else 2
+    rows = math.ceil(len(panels) / columns)
+    overview = _figure_class()(figsize=(7.5 * columns, 3.8 * rows), dpi=100, layout="constrained")
+    overview.suptitle(_run_title(log), fontsize="large")
+    for index, panel in enumerate(panels):
         axes = overview.add_subplot(rows, columns, index + 1)
         axes.set_title(_title(panel, log))
         panel.draw(axes, log)
-    written.append(_save(overview, os.path.join(output_dir, "overview.png")))
+    return overview
 
-    for panel in drawn:
-        figure = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
-        axes = figure.add_subplot()
-        axes.set_title(f"{_title(panel, log)} ({run_title})", fontsize="medium")
-        panel.draw(axes, log)
-        written.append(_save(figure, os.path.join(output_dir, f"{panel.name}.png")))
-    return written, skipped
+
+def panel_figure(log: RunLog, panel: Panel) -> Any:
+    """The figure of ``<panel>.png``: the panel alone, titled with the run."""
+    figure = _figure_class()(figsize=(8, 4.5), dpi=110, layout="constrained")
+    axes = figure.add_subplot()
+    axes.set_title(f"{_title(panel, log)} ({_run_title(log)})", fontsize="medium")
+    panel.draw(axes, log)
+    return figure
 
 
 def _title(panel: Panel, log: RunLog) -> str:
@@ -375,6 +396,7 @@ def _draw_datasets(axes: Any, log: RunLog) -> None:
         from matplotlib.ticker import PercentFormatter
 
         right.yaxis.set_major_formatter(PercentFormatter(1.0))
+        fraction_axis(right)
     _finish(axes, handles, "loss")
 
 
@@ -395,3 +417,12 @@ def moe_panels(log: RunLog) -> List[Panel]:
     if load_keys:
         panels.append(Panel("moe_load", _moe_load_title, load_keys, _draw_moe_load))
     return panels
+
+
+# ------------------------------------------------------------------ per-layer norms (record_grad_norms)
+
+def layer_norm_panels(log: RunLog) -> List[Panel]:
+    """For a log with per-layer gradient norms (``grad_norm/layer_NN``): their layer × step heat map."""
+    layer_keys = tuple(key for _, key in layer_grad_norm_keys(log))
+    return [Panel("layer_grad_norms", "Gradient norm per layer", layer_keys, draw_layer_grad_norms)] \
+        if layer_keys else []
