@@ -56,6 +56,7 @@ from .microbatch_feed import microbatch_call, microbatch_feed, per_token_losses
 from .mistakes import LoopChecks
 from .router_hooks import attach_moe_routing, find_routers
 from .token_reports import TokenReports, report_device, with_entries
+from .validation import Validation, is_evaluation
 
 
 class MegatronInstrumentation:
@@ -127,6 +128,10 @@ class MegatronInstrumentation:
         self.reports = TokenReports(ignore_index, names, loss_key) \
             if (model is None if loss_reports is None else loss_reports) else None
         self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key, user_metrics, model)
+        # Megatron's evaluate() would print a perplexity of every report key: its microbatches feed a copy of the
+        # metrics instead, and the reports keep the loss_func's own keys (validation.py).
+        self.validation = Validation(user_metrics) if self.reports is not None else None
+        self._chunks = chunks
         self._samples = next((m for m in user_metrics if isinstance(m, SampleLosses)), None)  # per-sample losses
         self._captured: Optional[dict] = None  # the current microbatch's labels and statistics
         self._group_ids, self._sample_index = None, None  # the microbatch's group ids, sample indices
@@ -233,6 +238,8 @@ class MegatronInstrumentation:
             # schedule, a microbatch whose loss_func never ran) must not be paired with this one.
             self._captured, self._group_ids, self._sample_index = None, None, None
             arguments = step.bind(args, kwargs) if reads_arguments else None
+            evaluating = self.validation is not None and is_evaluation(
+                arguments.arguments.get(MODEL) if arguments is not None else None, self._chunks)
             if self._checks is not None:  # mistakes told where Megatron logs; before the step's work is queued
                 self._checks.at_call(arguments.arguments.get(MODEL) if arguments is not None else None)
             if reads_arguments:
@@ -246,7 +253,7 @@ class MegatronInstrumentation:
                 output_tensor, loss_func = forward_step_func(*args, **kwargs)
             if loss_func is None:
                 return output_tensor, loss_func
-            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids, self._sample_index)
+            return output_tensor, self._wrap_loss_func(loss_func, self._group_ids, self._sample_index, evaluating)
 
         return forward_step
 
@@ -264,7 +271,12 @@ class MegatronInstrumentation:
         if self._samples is not None:
             self._sample_index = batch.get(self._samples.index_key)
 
-    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None, sample_index: Any = None) -> Callable:
+    def _wrap_loss_func(self, loss_func: Callable, group_ids: Any = None, sample_index: Any = None,
+                        evaluating: bool = False) -> Callable:
+        """``loss_func`` feeding the metrics (the validation copy when ``evaluating``) and, with ``loss_reports``
+        and not ``evaluating``, adding the statistics to its report."""
+        target = self.validation.metrics if evaluating else self.metrics
+
         @functools.wraps(loss_func)
         def wrapped(output_tensor: torch.Tensor, *args: Any, **kwargs: Any):
             result = loss_func(output_tensor, *args, **kwargs)
@@ -275,12 +287,15 @@ class MegatronInstrumentation:
             try:
                 loss_mask = None if captured is None else \
                     loss_mask_of(loss_func, captured["labels"], given=captured.get("loss_mask"))
-                entries = self._accumulate(captured, loss_mask, result, output_tensor, group_ids, sample_index)
+                entries = self._accumulate(captured, loss_mask, result, output_tensor, group_ids, sample_index,
+                                           target)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
             if self.reports is None:
                 return result
-            self._warn_failures()  # Megatron's own loop may never call calculate(), which raises them
+            self._warn_failures()
+            if evaluating:  # Megatron's evaluate() prints a perplexity of every key: its own keys only
+                return result  # Megatron's own loop may never call calculate(), which raises them
             return with_entries(result, entries if entries is not None else self.reports.empty(report_device(result)))
 
         return wrapped
@@ -294,11 +309,13 @@ class MegatronInstrumentation:
 
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
                     output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None,
-                    sample_index: Any = None) -> Optional[dict]:
-        """Feed the metrics; returns the report entries (with ``loss_reports``) when statistics were captured."""
+                    sample_index: Any = None, target: Optional[MetricCollection] = None) -> Optional[dict]:
+        """Feed the metrics (``target``, default: the training metrics); returns the report entries (with
+        ``loss_reports``) when statistics were captured."""
+        target = self.metrics if target is None else target
         loss, num_tokens = loss_func_result(result, self.loss_key)
         if captured is None:  # no labels seen: the loss only (Megatron's [sum, count] report, pooled by tokens)
-            self.metrics.accumulate(*microbatch_feed(loss=loss, num_tokens=num_tokens), loss_reduction="sum")
+            target.accumulate(*microbatch_feed(loss=loss, num_tokens=num_tokens), loss_reduction="sum")
             return None
         labels = captured["labels"]
         loss_mask = None if loss_mask is None else loss_mask.reshape(labels.shape)
@@ -323,8 +340,8 @@ class MegatronInstrumentation:
             entries, mistakes = self.reports.of(labels, mask, stats, classes, groups, token_losses)
             self._checks.add(mistakes)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
-        self.metrics.accumulate_call(microbatch_call(inputs, outputs, {"loss_reduction": "sum"}, classes,
-                                                     self.ignore_index))
+        target.accumulate_call(microbatch_call(inputs, outputs, {"loss_reduction": "sum"}, classes,
+                                               self.ignore_index))
         return entries
 
     # --------------------------------------------------------- explicit calls
@@ -376,6 +393,17 @@ class MegatronInstrumentation:
             raise MetricHookError(f"twinkle-megatron: {failures} metric hook failure(s) during the step; the "
                                   f"step's metrics are incomplete. First failure on this rank: {here}")
         return results
+
+    def calculate_validation(self) -> dict[str, Number]:
+        """``{'validation/<key>': value}`` of the microbatches Megatron's ``evaluate()`` ran since the last call
+        (collective: every rank calls it; ``{}`` when none ran or without ``loss_reports``). See :mod:`.validation`."""
+        return {} if self.validation is None else self.validation.calculate()
+
+    def pretrain_hooks(self) -> dict[str, Callable]:
+        """Keywords for Megatron-LM's ``pretrain(..., **metrics.pretrain_hooks())``: at each evaluation the
+        validation values are calculated on every rank and written to Megatron-LM's TensorBoard and W&B writers at
+        the evaluation's iteration (:meth:`.Validation.pretrain_hooks`); ``{}`` without ``loss_reports``."""
+        return {} if self.validation is None else self.validation.pretrain_hooks()
 
     def detach(self) -> None:
         """Remove every hook of ours from the model."""
