@@ -28,7 +28,8 @@ the wrapped step receives, on its first call with that chunk. With
 ``loss_reports`` (the default without a model), the wrapped ``loss_func`` also
 adds the statistics to its loss report as ``[sum, count]`` entries
 (:mod:`.token_reports`), which Megatron's ``train_step`` pools over DP×CP and
-``training_log`` writes to TensorBoard and W&B; mistakes are told where it logs (:mod:`.mistakes`).
+``training_log`` writes to TensorBoard and W&B; mistakes are told where it logs (:mod:`.mistakes`);
+microbatches of Megatron's ``evaluate()`` add no entries and feed validation values (:mod:`.validation`).
 
 ``calculate()`` after the schedule is collective: every rank calls it and gets
 the step's results; hook failures are data (:mod:`.hook_failures`).
@@ -80,7 +81,10 @@ class MegatronInstrumentation:
     Megatron's own loop logs): add ``accuracy``, ``entropy``, ``logprob`` (and
     the per-group keys) to each loss report as ``[sum, count]`` entries, which
     Megatron's ``train_step`` pools and ``training_log`` writes
-    (:mod:`.token_reports`); ``calculate()`` stays available either way.
+    (:mod:`.token_reports`); ``calculate()`` stays available either way. During Megatron's ``evaluate()``
+    (the chunk in eval mode, autograd off) the reports keep the ``loss_func``'s own keys and the microbatches
+    feed a validation copy of the metrics: :meth:`calculate_validation`, :meth:`pretrain_hooks`
+    (:mod:`.validation`).
 
     ``group_names`` (with the default metrics; metrics passed in carry their own):
     every metric also per group (``accuracy/<name>``, ``loss/<name>``...), the

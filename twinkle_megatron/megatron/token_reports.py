@@ -8,7 +8,9 @@ for the keys of the first microbatch's dict, the ``[sum, count]`` tensors
 (2 elements) of all microbatches are summed, all-reduced over the DP×CP group
 (one all-reduce per key per step, on the last pipeline stage), and the step's
 value is ``sum / count``; ``training_log`` then writes each key to
-TensorBoard and W&B (and to its console line when the average is ≥ 0). So a
+TensorBoard and W&B (and to its console line when the average is > 0 up to
+``core_v0.16.1``, >= 0 from ``core_v0.19.0`` on). During Megatron's ``evaluate()`` no
+entry is added (:mod:`.validation`). So a
 statistic added as a ``[sum, count]`` entry is pooled by tokens over the global
 batch exactly like the loss. Per microbatch, for the counted tokens t (label
 not ``ignore_index``, loss mask set, finite logits, label inside the

@@ -80,7 +80,8 @@ class Validation:
         if wandb_writer is not None:
             wandb_writer.log(dict(values), iteration)
         print(f" {VALIDATION} at iteration {iteration} | " + " | ".join(
-            f"{key[len(VALIDATION) + 1:]}: {value:.6E}" for key, value in values.items()), flush=True)
+            f"{key[len(VALIDATION) + 1:]}: {value if isinstance(value, int) else format(value, '.6E')}"
+            for key, value in values.items()), flush=True)
 
     def pretrain_hooks(self) -> dict[str, Callable]:
         """The keywords for Megatron-LM's ``pretrain()``: ``non_loss_data_func`` (:meth:`calculate`, every rank)
