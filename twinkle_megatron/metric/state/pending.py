@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from ..inputs.tensors import all_finite, all_host_numbers, host_float64, is_host_number, to_device
-from .token_sums import add_in_place, fold_into, sum_totals
+from .token_sums import add_in_place, fold_into, totals_of
 
 HostNumbers = Union[float, list]  # a float, or one float per element of the flattened state
 RowValue = Union[float, torch.Tensor]  # a Python number, or a 0-d float64 tensor (a copy of the caller's)
@@ -67,9 +67,9 @@ class _Rows:
         columns = list(zip(*self.rows))
         values = (value for column in columns for value in column if isinstance(value, torch.Tensor))
         device = next((value.device for value in values if value.device.type != "cpu"), torch.device("cpu"))
-        stacked = [_column(column, device) for column in columns]
-        finite = all_finite(stacked)
-        totals = sum_totals(self.names, dict(zip(self.names, stacked)), finite, None)
+        stacked = torch.stack([_column(column, device) for column in columns])  # [K states, rows]
+        finite = all_finite([stacked]).all(0)  # a row counts when every value of it is finite
+        totals = dict(totals_of(self.names, torch.where(finite, stacked, 0.0).sum(1)))
         totals[self.nonfinite_count] = (~finite).sum(dtype=torch.float64)
         return totals
 
