@@ -312,12 +312,15 @@ class Metric(_Base):
             else:
                 self._add(nonfinite_count, 1.0)
             return
+        row = {}
         for name, value in values.items():
-            if isinstance(value, torch.Tensor) and value.numel() != 1:
+            if not isinstance(value, torch.Tensor):
+                row[name] = float(value)
+            elif value.numel() == 1:
+                row[name] = value.detach().to(torch.float64, copy=True).reshape(())
+            else:
                 raise ValueError(f"{type(self).__name__}: {name!r} takes one value here, got shape "
                                  f"{tuple(value.shape)}")
-        row = {name: value.detach().to(torch.float64, copy=True).reshape(()) if isinstance(value, torch.Tensor)
-               else float(value) for name, value in values.items()}
         self._pending.pend_finite(row, nonfinite_count, self._states)
 
     def _fold_pending(self, names: Optional[Iterable[str]] = None) -> None:

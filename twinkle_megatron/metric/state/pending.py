@@ -119,9 +119,11 @@ class PendingUpdates:
                     states: dict[str, torch.Tensor]) -> None:
         """Pend one row: each of ``values`` (a Python number, or a 0-d float64 tensor the caller will not change)
         added to the state of its name if every value of the row is finite, else 1 added to ``nonfinite_count``."""
-        names = tuple(values)
-        self.settle(states, (*names, nonfinite_count), "add")
-        rows = self._rows.setdefault((names, nonfinite_count), _Rows(names, nonfinite_count))
+        key = (tuple(values), nonfinite_count)
+        rows = self._rows.get(key)
+        if rows is None:
+            self.settle(states, (*key[0], nonfinite_count), "add")  # rows are additions: what does not commute first
+            rows = self._rows[key] = _Rows(*key)
         rows.rows.append(tuple(values.values()))
         if len(rows.rows) >= PENDING_ROWS:
             self._fold_rows(states, nonfinite_count)
