@@ -140,7 +140,7 @@ class Metric(_Base):
             self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
-        self._pending = PendingUpdates()  # updates held back, folded into the states when they are read
+        self._pending_updates = PendingUpdates()  # updates held back, folded into the states when they are read
         self.group_names = check_group_names(group_names)
         self.group_key = group_key
         self.position_buckets = check_position_buckets(position_buckets, seq_length)
@@ -200,9 +200,9 @@ class Metric(_Base):
     def _add(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
         """``state += value``. Python numbers (a number, or a list of one per element of the state) are added on
         the host until the states are read (see :mod:`.pending`): no launch per call."""
-        if self._pending.pend_host("add", name, value, self._states):
+        if self._pending_updates.pend_host("add", name, value, self._states):
             return
-        self._pending.settle(self._states, (name,), "add")
+        self._pending_updates.settle(self._states, (name,), "add")
         state = self._states[name]  # updated in place: one op (launch) per update, no float64 copy first
         if not isinstance(value, torch.Tensor):  # a NumPy scalar and the like
             value = self._as_state(name, value)
@@ -212,19 +212,19 @@ class Metric(_Base):
             self._states[name] = state + self._as_state(name, value)
 
     def _maximum(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
-        if self._pending.pend_host("max", name, value, self._states):
+        if self._pending_updates.pend_host("max", name, value, self._states):
             return
-        self._pending.settle(self._states, (name,), "max")
+        self._pending_updates.settle(self._states, (name,), "max")
         self._states[name] = torch.maximum(self._states[name], self._as_state(name, value))
 
     def _minimum(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        self._pending.settle(self._states, (name,), "min")
+        self._pending_updates.settle(self._states, (name,), "min")
         self._states[name] = torch.minimum(self._states[name], self._as_state(name, value))
 
     def _assign(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
-        if self._pending.pend_host("replace", name, value, self._states):
+        if self._pending_updates.pend_host("replace", name, value, self._states):
             return
-        self._pending.settle(self._states, (name,), "replace")
+        self._pending_updates.settle(self._states, (name,), "replace")
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
 
@@ -251,8 +251,8 @@ class Metric(_Base):
                      ) -> None:
         """Add each tensor of ``sums`` to its state, fold each of ``maxima`` into its state's max (each shaped like
         its state): one op for all sums, one for all maxima (see :func:`.token_sums.fold_into`)."""
-        self._pending.settle(self._states, sums, "add")
-        self._pending.settle(self._states, maxima or (), "max")
+        self._pending_updates.settle(self._states, sums, "add")
+        self._pending_updates.settle(self._states, maxima or (), "max")
         self._states = fold_into(fold_into(self._states, sums, add_in_place), maxima or {}, maximum_in_place)
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
@@ -289,7 +289,7 @@ class Metric(_Base):
             else:
                 self._add(nonfinite_count, 1.0)
             return
-        self._pending.settle(self._states, (name,), None)  # read below
+        self._pending_updates.settle(self._states, (name,), None)  # read below
         value = self._as_state(name, value).reshape(self._specs[name].shape)
         finite = all_finite([value])
         self._states[name] = torch.where(finite, value, self._states[name])
@@ -321,11 +321,11 @@ class Metric(_Base):
             else:
                 raise ValueError(f"{type(self).__name__}: {name!r} takes one value here, got shape "
                                  f"{tuple(value.shape)}")
-        self._pending.pend_finite(row, nonfinite_count, self._states)
+        self._pending_updates.pend_finite(row, nonfinite_count, self._states)
 
     def _fold_pending(self, names: Optional[Iterable[str]] = None) -> None:
         """Fold what is held back for ``names`` (default: every state) into the states (see :mod:`.pending`)."""
-        self._pending.fold(self._states, names)
+        self._pending_updates.fold(self._states, names)
 
     # ---------------------------------------------------------- the Twinkle API
 
@@ -374,7 +374,7 @@ class Metric(_Base):
 
     def reset(self) -> None:
         """Back to the identity of every state."""
-        self._pending.clear()
+        self._pending_updates.clear()
         device = self._state_device()
         self._states = {
             name: torch.full(spec.shape, spec.identity, dtype=torch.float64, device=device)
@@ -433,7 +433,7 @@ class Metric(_Base):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a run under any layout (sums to one rank, maxima and minima
         to every rank; see :mod:`.resume`)."""
-        self._pending.clear()
+        self._pending_updates.clear()
         self._states = loaded_states(self, state_dict, self._state_device())
 
     # ------------------------------------------------------- Twinkle helpers
