@@ -132,6 +132,8 @@ class PendingUpdates:
         """Before a device update of ``kind`` (``add``, ``max``, ``min``, ``replace``; None: a read) of each of
         ``names``: fold what pends on it, but for what commutes with the update (additions with an addition,
         maxima with a maximum) and what the update supersedes (a ``replace`` drops the host's pending value)."""
+        if not self:  # the common case: nothing pends (no loop over the names)
+            return
         for name in names:
             if kind != "add":
                 self._fold_rows(states, name)
