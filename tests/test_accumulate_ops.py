@@ -38,7 +38,7 @@ FUSED_BUDGET = {500: 110, 512: 80}
 # The pass + Accuracy, TokenStatsMetric, LossMetric bookkeeping: each metric's sums of a microbatch stacked,
 # masked, reduced and added together (Metric._add_token_sums; was 124 with one sum and one add per state, then
 # 108 before a finiteness test of one tensor took 2 ops, 0·x == 0, where isfinite takes 4, then 104 before
-# LossMetric kept each microbatch's [loss, count] report as a copy until the sync: 2 ops, where checking and
+# LossMetric held each microbatch's [loss, count] report back as a copy (Metric._add_finite): 2 ops, where checking and
 # adding it took 10; the check and the sum of all reports are made once, at the sync).
 ACCUMULATE_BUDGET = 96
 # The same collection as instrument() feeds it: GPTModel's per-token losses beside the [sum, count] report. The
@@ -65,7 +65,7 @@ GRPO_FAMILY_BUDGET = {"GRPOMetric": 49, "GSPOMetric": 63, "CISPOMetric": 45, "PP
 # once per call for the four, each then adding its own clip counts: GRPOMetric._token_terms), Accuracy's
 # argmax-only pass, LossMetric, TrainMetric, CompletionRewardMetric (its reward names folded into their states
 # only when a new name comes). Python numbers (the learning rate, the grad norm, rewards, lengths and times as
-# lists) are added on the host until the sync (metric/state/host_values.py): no op. Was 527, then 214 plus one per
+# lists) are added on the host until the sync (metric/state/pending.py): no op. Was 527, then 214 plus one per
 # sequence, then 206, then 143 before LossMetric's finiteness test of its loss took 2 ops, not 4, then 141
 # before it kept its loss (a device value) as a copy until the sync: 1 op; 135 with the misaligned-array rule.
 EIGHT_METRICS = ("Accuracy", "LossMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "PPOMetric",

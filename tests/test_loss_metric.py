@@ -161,19 +161,19 @@ def test_collection_state_dict_and_explicit_context():
     assert restored.calculate() == {"loss": 1.0}
 
 
-# ------------------------------------- microbatch reports kept until the sync (LossMetric._pend_report)
+# ------------------------------ microbatch reports held back until the states are read (Metric._add_finite)
 
 
 def test_reports_kept_until_the_sync_equal_the_reference_and_survive_a_change_in_place():
     """Device reports are copied at ``accumulate`` and folded when the states are read, past the bound too:
     the same result as the sum over the reports, whatever the caller does with its tensors afterwards."""
-    from twinkle_megatron.metric.language.loss import PENDING_REPORTS
+    from twinkle_megatron.metric.state.pending import PENDING_ROWS
 
     generator = torch.Generator().manual_seed(0)
-    count = 2 * PENDING_REPORTS + 3
+    count = 2 * PENDING_ROWS + 3
     sums = torch.rand(count, generator=generator, dtype=torch.float64) * 10
     tokens = torch.randint(1, 50, (count,), generator=generator)
-    sums[5], sums[PENDING_REPORTS + 7] = float("nan"), float("inf")
+    sums[5], sums[PENDING_ROWS + 7] = float("nan"), float("inf")
     metric = LossMetric(loss_reduction="sum")
     for value, n in zip(sums, tokens):
         loss, num_tokens = value.clone(), n.clone()  # float64: copied although it needs no conversion

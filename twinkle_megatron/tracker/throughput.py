@@ -109,7 +109,7 @@ class Throughput(Metric):
 
     def reset(self) -> None:
         """A new interval; the running token total carries on."""
-        self._host.fold(self._states, ("consumed_tokens",))  # Python numbers since the last sync count too
+        self._fold_pending(("consumed_tokens",))  # Python numbers since the last sync count too
         consumed = self._states.get("consumed_tokens")
         super().reset()
         self._steps = 0

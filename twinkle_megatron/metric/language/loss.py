@@ -8,14 +8,13 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from ..inputs.microbatches import call_value, count_tokens, microbatches, with_call_values
-from ..inputs.tensors import all_finite, all_host_numbers, host_float64, is_host_number, to_device
+from ..inputs.tensors import all_finite, is_host_number, to_device
 from ..inputs.view import ViewSpec, microbatch_views_of
 from ..state.base import Metric, Number, SyncedStates
 from ..state.groups import TokenSlices
 from ..state.token_sums import sum_totals
 
 _REDUCTIONS = ("mean", "sum")
-PENDING_REPORTS = 64  # microbatch loss reports (copies of device values) kept before they are folded into the states
 
 
 class LossMetric(Metric):
@@ -93,7 +92,6 @@ class LossMetric(Metric):
         self.add_state("nonfinite_losses", "sum")
         self.add_state("nonfinite_grad_norms", "sum")
         self.add_state("grad_norm", "max")
-        self._reports: list[tuple[torch.Tensor, Any]] = []  # pending microbatch reports (see _pend_report)
 
     def accumulate(self, inputs: Any, outputs: Any, **kwargs: Any) -> None:
         """Add the loss of each microbatch (one value per microbatch, a list of them, or per-token losses)."""
@@ -109,10 +107,14 @@ class LossMetric(Metric):
         given.update({} if token_losses is None else {"token_losses": token_losses})
         per_token = []  # (inputs, outputs for the view, the microbatch's report that the losses stand beside)
         for batch, output in microbatches(inputs, given, ("loss", "num_tokens", "group_ids", "token_losses")):
-            if self._add_host_loss(batch, output, reduction):
-                continue
             loss = output["loss"]
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._pend_report(batch, output, reduction):
+            if _one_value(loss) and not self._sliced(batch, output):
+                # A microbatch's value with nothing to slice it by: counted when finite (held back until the states
+                # are read, see Metric._add_finite).
+                weight = 1.0 if reduction == "mean" else self._num_tokens(batch, output.get("num_tokens"))
+                if isinstance(weight, torch.Tensor) and weight.numel() != 1:  # a count given per sample
+                    weight = weight.sum()
+                self._add_finite({"loss_sum": loss, "weight": weight}, "nonfinite_losses")
                 continue
             loss = self._as_state("loss_sum", loss)
             ids = output.get("group_ids")
@@ -141,79 +143,14 @@ class LossMetric(Metric):
         if per_token:
             self._add_token_losses(per_token)
 
-    def _add_host_loss(self, batch: Any, output: Mapping[str, Any], reduction: str) -> bool:
-        """A microbatch's loss given as a Python number (Twinkle's Megatron model passes one) with its weight a
-        number too ('mean', or a ``num_tokens`` number), and nothing to slice it by: added on the host (no launch
-        per call; see :mod:`..state.host_values`). False when the loss takes the device path."""
-        loss, weight = output["loss"], 1.0 if reduction == "mean" else output.get("num_tokens")
-        if not is_host_number(loss) or not is_host_number(weight) or self._sliced(batch, output):
-            return False
-        if math.isfinite(loss):
-            self._add("loss_sum", loss)
-            self._add("weight", weight)
-        else:
-            self._add("nonfinite_losses", 1.0)
-        return True
-
     def _sliced(self, batch: Any, output: Mapping[str, Any]) -> bool:
         """Whether a microbatch's loss goes to groups or position buckets too (per-token losses or group ids)."""
         return output.get("token_losses") is not None or self.group_ids_of(batch, output) is not None
-
-    def _pend_report(self, batch: Any, output: Mapping[str, Any], reduction: str) -> bool:
-        """A microbatch's loss given as one device value, with its weight (a count, or 1 for a mean), and nothing
-        to slice it by: copied (float64; the caller may change its loss in place later) and kept until the
-        states are read, then checked and added with the others in a fixed number of ops
-        (:meth:`_fold_reports`). One op per microbatch (two with a device count), where checking and adding
-        each report costs about ten. False when the loss takes the other paths."""
-        if self._sliced(batch, output):
-            return False
-        loss = output["loss"].detach()
-        weight = 1.0 if reduction == "mean" else self._num_tokens(batch, output.get("num_tokens"))
-        if isinstance(weight, torch.Tensor):
-            if weight.numel() != 1:
-                return False
-            weight = to_device(weight.detach(), loss.device).to(torch.float64, copy=True).reshape(())
-        elif not is_host_number(weight):
-            return False
-        self._reports.append((loss.to(torch.float64, copy=True).reshape(()), weight))
-        if len(self._reports) >= PENDING_REPORTS:  # bounded memory between syncs
-            self._fold_reports()
-        return True
-
-    def _fold_reports(self) -> None:
-        """Add the pending reports to the states: Σ loss and Σ weight over the finite losses, and the count of
-        the others (the rule of :meth:`_add_loss`), in one stack, one mask and one reduction, on an accelerator
-        if any report is on one (a loss given on the CPU next to device ones is copied there: no host wait)."""
-        if not self._reports:
-            return
-        losses, weights = zip(*self._reports)
-        device = next((loss.device for loss in losses if loss.device.type != "cpu"), losses[0].device)
-        losses = torch.stack([to_device(loss, device) for loss in losses])
-        if all_host_numbers(weights):
-            weights = host_float64(weights, device)
-        else:
-            weights = torch.stack([to_device(w, device) if isinstance(w, torch.Tensor) else
-                                   torch.full((), float(w), dtype=torch.float64, device=device) for w in weights])
-        self._reports = []
-        valid = all_finite([losses])
-        self._add_loss(losses, weights, valid, ~valid, None)
 
     def nonfinite_count(self) -> torch.Tensor:
         """The non-finite losses this rank counted since the last reset (its ``nonfinite_losses`` state, a device
         tensor: nothing is read on the host). The tracker compares it step by step to count divergent steps."""
         return self.sync_states()["nonfinite_losses"].detach().clone()
-
-    def sync_states(self) -> dict[str, torch.Tensor]:
-        self._fold_reports()  # read like the pending host values: whoever reads the states gets them
-        return super().sync_states()
-
-    def reset(self) -> None:
-        super().reset()
-        self._reports = []
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._reports = []
 
     def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
                   groups: Optional[TokenSlices]) -> None:
@@ -302,6 +239,11 @@ def _report_or_tokens(report: _Report, tokens: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float64, device=tokens.device)
     return torch.where(finite, torch.stack([report.loss, report.weight.to(tokens.device), zero]),
                        torch.stack([token_sum, token_count, nonfinite.clamp(min=1)]))
+
+
+def _one_value(loss: Any) -> bool:
+    """A microbatch's loss as one value: a Python number or a one-element tensor (not per-token losses)."""
+    return is_host_number(loss) or (isinstance(loss, torch.Tensor) and loss.numel() == 1)
 
 
 def _check_reduction(loss_reduction: str) -> str:

@@ -3,10 +3,10 @@
 A subclass declares its states in ``__init__`` with :meth:`Metric.add_state`
 (name, shape, and how it reduces across ranks: ``sum``, ``max`` or ``min``),
 updates them in ``accumulate`` only through :meth:`_add`, :meth:`_maximum`,
-:meth:`_minimum` and :meth:`_assign` (device ops, never a host sync; values
-given as Python numbers are applied on the host until the states are read, see
-:mod:`.host_values`), and turns the globally reduced states into Python numbers
-in :meth:`compute`.
+:meth:`_minimum`, :meth:`_assign` and their token-level and finite-only forms
+(device ops, never a host sync; Python numbers and values that count only when
+finite are held back until the states are read, see :mod:`.pending`), and turns
+the globally reduced states into Python numbers in :meth:`compute`.
 
 ``calculate()`` is collective: every rank calls it and every rank gets the same
 dict. Ranks whose data does not count (earlier pipeline stages, TP ranks other
@@ -30,7 +30,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Union
+from typing import Any, ClassVar, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,10 +39,10 @@ from ...parallel import ParallelContext
 from ..inputs.keywords import check_constructor_keywords, check_outputs_read, register_call_keywords
 from ..inputs.microbatches import given
 from ..inputs.shared_call import SharedCall
-from ..inputs.tensors import all_finite, is_host_number
+from ..inputs.tensors import all_finite, all_host_numbers, is_host_number
 from .call_boundary import checked_accumulate, checked_call
 from .groups import GROUPED_SUFFIX, INVALID_GROUP_IDS, TokenSlices, check_group_names, slice_states, token_groups
-from .host_values import HostValues
+from .pending import PendingUpdates
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
 from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
@@ -145,7 +145,7 @@ class Metric(_Base):
             self._context = ParallelContext.resolve(device_mesh, process_group)
         self._specs: dict[str, StateSpec] = {}
         self._states: dict[str, torch.Tensor] = {}
-        self._host = HostValues()  # updates given as Python numbers, folded into the states when they are read
+        self._pending_updates = PendingUpdates()  # updates held back, folded into the states when they are read
         self.group_names = check_group_names(group_names)
         self.group_key = group_key
         self.position_buckets = check_position_buckets(position_buckets, seq_length)
@@ -204,10 +204,10 @@ class Metric(_Base):
 
     def _add(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
         """``state += value``. Python numbers (a number, or a list of one per element of the state) are added on
-        the host until the states are read (see :mod:`.host_values`): no launch per call."""
-        if self._host.update("add", name, value, self._states):
+        the host until the states are read (see :mod:`.pending`): no launch per call."""
+        if self._pending_updates.pend_host("add", name, value, self._states):
             return
-        self._host.fold(self._states, (name,))
+        self._pending_updates.settle(self._states, (name,), "add")
         state = self._states[name]  # updated in place: one op (launch) per update, no float64 copy first
         if not isinstance(value, torch.Tensor):  # a NumPy scalar and the like
             value = self._as_state(name, value)
@@ -217,19 +217,19 @@ class Metric(_Base):
             self._states[name] = state + self._as_state(name, value)
 
     def _maximum(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
-        if self._host.update("max", name, value, self._states):
+        if self._pending_updates.pend_host("max", name, value, self._states):
             return
-        self._host.fold(self._states, (name,))
+        self._pending_updates.settle(self._states, (name,), "max")
         self._states[name] = torch.maximum(self._states[name], self._as_state(name, value))
 
     def _minimum(self, name: str, value: Union[torch.Tensor, Number]) -> None:
-        self._host.fold(self._states, (name,))
+        self._pending_updates.settle(self._states, (name,), "min")
         self._states[name] = torch.minimum(self._states[name], self._as_state(name, value))
 
     def _assign(self, name: str, value: Union[torch.Tensor, Number, list]) -> None:
-        if self._host.update("replace", name, value, self._states):
+        if self._pending_updates.pend_host("replace", name, value, self._states):
             return
-        self._host.drop(name)  # superseded
+        self._pending_updates.settle(self._states, (name,), "replace")
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
 
@@ -256,7 +256,8 @@ class Metric(_Base):
                      ) -> None:
         """Add each tensor of ``sums`` to its state, fold each of ``maxima`` into its state's max (each shaped like
         its state): one op for all sums, one for all maxima (see :func:`.token_sums.fold_into`)."""
-        self._host.fold(self._states, [*sums, *(maxima or {})])
+        self._pending_updates.settle(self._states, sums, "add")
+        self._pending_updates.settle(self._states, maxima or (), "max")
         self._states = fold_into(fold_into(self._states, sums, add_in_place), maxima or {}, maximum_in_place)
 
     def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
@@ -293,11 +294,43 @@ class Metric(_Base):
             else:
                 self._add(nonfinite_count, 1.0)
             return
-        self._host.fold(self._states, (name, nonfinite_count))
+        self._pending_updates.settle(self._states, (name,), None)  # read below
         value = self._as_state(name, value).reshape(self._specs[name].shape)
         finite = all_finite([value])
         self._states[name] = torch.where(finite, value, self._states[name])
         self._add(nonfinite_count, (~finite).sum())
+
+    def _add_finite(self, values: Mapping[str, Union[torch.Tensor, Number]], nonfinite_count: str) -> None:
+        """Add each of ``values`` (one value per state, a number or a one-element tensor: a microbatch's loss and
+        its token count) to its state if every one of them is finite; else add nothing and 1 to
+        ``nonfinite_count``.
+
+        Python numbers are checked on the host. Otherwise the values are copied (float64: one op per tensor; the
+        caller may change its tensors in place later) and held back until the states are read, then checked and
+        added with every other pending row in a fixed number of ops (see :mod:`.pending`), where checking and
+        adding each at once costs about ten.
+        """
+        if all_host_numbers(values.values()):  # checked on the host: no launch
+            if all(map(math.isfinite, values.values())):
+                for name, value in values.items():
+                    self._add(name, value)
+            else:
+                self._add(nonfinite_count, 1.0)
+            return
+        row = {}
+        for name, value in values.items():
+            if not isinstance(value, torch.Tensor):
+                row[name] = float(value)
+            elif value.numel() == 1:
+                row[name] = value.detach().to(torch.float64, copy=True).reshape(())
+            else:
+                raise ValueError(f"{type(self).__name__}: {name!r} takes one value here, got shape "
+                                 f"{tuple(value.shape)}")
+        self._pending_updates.pend_finite(row, nonfinite_count, self._states)
+
+    def _fold_pending(self, names: Optional[Iterable[str]] = None) -> None:
+        """Fold what is held back for ``names`` (default: every state) into the states (see :mod:`.pending`)."""
+        self._pending_updates.fold(self._states, names)
 
     # ---------------------------------------------------------- the Twinkle API
 
@@ -359,7 +392,7 @@ class Metric(_Base):
 
     def reset(self) -> None:
         """Back to the identity of every state."""
-        self._host.clear()
+        self._pending_updates.clear()
         device = self._state_device()
         self._states = {
             name: torch.full(spec.shape, spec.identity, dtype=torch.float64, device=device)
@@ -385,7 +418,7 @@ class Metric(_Base):
 
     def sync_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""
-        self._host.fold(self._states)
+        self._fold_pending()
         if self.counts_here():
             return self._states
         return {name: torch.full(spec.shape, spec.identity, dtype=torch.float64)
@@ -418,7 +451,7 @@ class Metric(_Base):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a run under any layout (sums to one rank, maxima and minima
         to every rank; see :mod:`.resume`)."""
-        self._host.clear()
+        self._pending_updates.clear()
         self._states = loaded_states(self, state_dict, self._state_device())
 
     # ------------------------------------------------------- Twinkle helpers
