@@ -88,6 +88,7 @@ def child(request):
             sys.modules["__main__"] = main
             exec(compile(args[1], "<string>", "exec"), main.__dict__)
         elif args[0] == "-m":
+            sys.modules.pop(args[1], None)  # a fresh interpreter has not imported the module it runs as __main__
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(args[0], run_name="__main__")
