@@ -94,9 +94,17 @@ base_path = list(sys.path[1:])
 own_path = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
 
 
+def holds_loaded_package(entry):
+    return any(os.path.exists(os.path.join(entry, package)) for package in loaded_packages)
+
+
 def forkable(env):
-    """False when the child's PYTHONPATH would import another copy of a package the server has loaded."""
-    for entry in filter(None, env.get("PYTHONPATH", "").split(os.pathsep)):
+    """False when the child's PYTHONPATH would import another copy of a package the server has loaded (an entry
+    it adds, or one of the server's it leaves out)."""
+    paths = set(filter(None, env.get("PYTHONPATH", "").split(os.pathsep)))
+    if any(holds_loaded_package(entry) for entry in own_path - paths):
+        return False
+    for entry in paths:
         if entry in own_path:
             continue
         for package in loaded_packages:
