@@ -18,6 +18,8 @@ batch), ``.invariance`` (``assert_layout_invariant``), ``.guards`` (host syncs f
 * ``megatron_packed``: packed (THD) rows through that GPTModel, a block-diagonal stand-in for TE's attention;
 * ``megatron_bridge``: Megatron-Bridge's own training code, downloaded and imported behind the smallest stubs;
 * ``owners``: which metric or tracker part returned each key;
+* ``fork_server``: ``python ...`` runs (docs blocks, the demo, the Slurm recipe's dry runs) forked from one
+  process that imported torch and megatron-core once;
 * ``readme``: the key tables of the README and docs/, to check them against the code's key lists.
 
 Tests import the modules (``from kit.references import full_vocab_stats``); this file imports nothing.
