@@ -215,28 +215,50 @@ def serve_one(connection):
     connection.sendall(json.dumps({"returncode": returncode, "timed_out": timed_out}).encode() + b"\n")
 
 
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the per-connection processes are reaped by the kernel
+
+
+def reap(block=False):
+    """Wait for the finished per-connection processes (so that their CPU time is counted in the server's)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def stop(signum, frame):
+    raise SystemExit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(address)
 listener.listen(64)
 print("ready", flush=True)
 session = os.getppid()
 listener.settimeout(1.0)
-while os.getppid() == session:  # the test session ended, however it ended: so does the server
-    try:
-        connection, _ = listener.accept()
-    except socket.timeout:
-        continue
-    connection.settimeout(None)
-    if os.fork() == 0:
-        listener.close()
+try:
+    while os.getppid() == session:  # the test session ended, however it ended: so does the server
+        reap()
         try:
-            serve_one(connection)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(0)
-    connection.close()
+            connection, _ = listener.accept()
+        except socket.timeout:
+            continue
+        connection.settimeout(None)
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            listener.close()
+            try:
+                serve_one(connection)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(0)
+        connection.close()
+finally:
+    reap(block=True)
 '''
 
 _namespace: dict = {}
