@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     torch.set_num_threads(1)
-    from kit.cuda_shim import cpu_cuda_shim
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)

@@ -110,7 +110,7 @@ def main() -> None:
         allow_router_without_te()
         shim = contextlib.nullcontext()
         if not torch.cuda.is_available():
-            from kit.cuda_shim import cpu_cuda_shim
+            from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
             shim = cpu_cuda_shim()
         with shim:

@@ -86,9 +86,8 @@ def timed(fn) -> float:
 
 
 def worker(dim: int, repeats: int) -> dict:
-    from kit.guards import count_collectives
-
     import twinkle_megatron as tm
+    from twinkle_megatron.testing.guards import count_collectives
 
     rank = dist.get_rank()
     collection = tm.MetricCollection(metrics(dim))
@@ -133,7 +132,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
     os.environ.setdefault("TWINKLE_MEGATRON_STANDALONE", "1")
-    from kit.distributed import run_distributed
+    from twinkle_megatron.testing.distributed import run_distributed
 
     print(f"sync at scale: one metric of every built-in class, embeddings d={args.dim} over 2 calls, forked CPU "
           f"ranks (gloo, DP); median of {args.repeats} calls, slowest rank; baseline: the same all-reduces alone")

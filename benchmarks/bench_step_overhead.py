@@ -118,8 +118,9 @@ def run_block(mode: str, args: argparse.Namespace, ddp, config, optimizer, data:
 
 
 def worker(args: argparse.Namespace, tp: int) -> dict:
-    from kit.cuda_shim import cpu_cuda_shim
     from megatron.core import parallel_state
+
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
     # Megatron's optimizer wants parallel_state's gloo groups too (the kit's layout skips them).
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -170,7 +171,8 @@ def main(argv=None) -> None:
 
     warnings.filterwarnings("ignore")
     import megatron.core.parallel_state  # noqa: F401 - imported once, before the ranks fork
-    from kit.distributed import run_distributed
+
+    from twinkle_megatron.testing.distributed import run_distributed
 
     print(f"step overhead: GPTModel hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}, "
           f"{args.microbatches} x {args.micro_batch} sequences per rank and step, Megatron DDP + Adam, 2 CPU ranks; "

@@ -14,22 +14,15 @@ are the counts as built, so that a change that adds launches per microbatch show
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from kit.guards import forbid_host_sync
-from torch.utils._python_dispatch import TorchDispatchMode
+from kit.op_counts import CountOps
 
 import twinkle_megatron as tm
 from twinkle_megatron.ops import shard, vocab_parallel_token_stats
 from twinkle_megatron.ops.fused_cross_entropy import vocab_parallel_cross_entropy_with_stats
+from twinkle_megatron.testing.guards import forbid_host_sync
 
-# Ops that only make views or aliases: no kernel on any device.
-VIEWS = {"aten::view", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::alias",
-         "aten::detach", "aten::lift_fresh", "aten::t", "aten::transpose", "aten::permute", "aten::expand",
-         "aten::as_strided", "aten::_reshape_alias", "aten::reshape", "aten::unflatten", "aten::split",
-         "aten::unbind"}
 STATS_BUDGET = 71  # the vocab-parallel pass: one chunk, statistics of every token
 # The fused loss's forward: the statistics' steps with the exponentials kept, and the loss (a padded vocabulary
 # adds the all-column maximum's key and the padding's share of Z; unpadded: no tail block to clamp); which of the
@@ -71,20 +64,6 @@ GRPO_FAMILY_BUDGET = {"GRPOMetric": 49, "GSPOMetric": 63, "CISPOMetric": 45, "PP
 EIGHT_METRICS = ("Accuracy", "LossMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "PPOMetric",
                  "CompletionRewardMetric")
 EIGHT_METRICS_BUDGET = 135
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def launches(self) -> int:
-        return sum(n for name, n in self.ops.items() if name not in VIEWS)
 
 
 @pytest.fixture

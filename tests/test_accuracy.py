@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant, calculate_or_error
 from kit.references import accuracy_reference, full_vocab_stats
 
 from twinkle_megatron import Accuracy, MetricCollection
 from twinkle_megatron.metric import LogitsMetric
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant, calculate_or_error
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 12, 50, 56  # Megatron pads the vocabulary to a multiple of TP
 
@@ -220,10 +220,10 @@ def _collectives_with_and_without_entropies() -> dict:
     """Accuracy and GRPOMetric over TP=2 logits: given ``entropies`` (Twinkle's model forward), GRPO reads no
     statistics of the logits, so the collection makes the argmax-only pass; without them, the full one."""
     import torch.distributed as dist
-    from kit.guards import count_collectives
 
     from twinkle_megatron import GRPOMetric
     from twinkle_megatron.parallel import ParallelContext
+    from twinkle_megatron.testing.guards import count_collectives
 
     rank = dist.get_rank()
     context = ParallelContext(tp_group=dist.group.WORLD, tp_size=2, tp_rank=rank)

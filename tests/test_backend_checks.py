@@ -17,7 +17,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from kit.distributed import run_distributed
 
 from twinkle_megatron.logging import (
     BACKEND_CLASSES,
@@ -29,6 +28,7 @@ from twinkle_megatron.logging import (
     check_backends,
     read_jsonl,
 )
+from twinkle_megatron.testing.distributed import run_distributed
 from twinkle_megatron.tracker import MetricsTracker, TrackerConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from kit.fork_server import run_python
 
 from twinkle_megatron.cli import main
 from twinkle_megatron.logging.runlog import load_run
@@ -217,8 +217,7 @@ def test_the_module_runs_as_a_program_without_a_traceback(tmp_path):
     """What the console script does: a real process, a malformed log, exit 2 and one clear line."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\nnot json\n')
-    result = subprocess.run([sys.executable, "-m", "twinkle_megatron.cli", "summary", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = run_python(["-m", "twinkle_megatron.cli", "summary", str(path)], cwd=tmp_path, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == f"twinkle-megatron: error: {path}, line 2: not valid JSON " \
                                     "(Expecting value, column 1)"

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from kit.batches import RankView
-from kit.distributed import Layout, run_distributed
-from kit.guards import HostSyncError, count_collectives, forbid_host_sync
-from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import LossMetric, Metric, MetricCollection, TrainMetric
 from twinkle_megatron.metric.inputs.microbatches import microbatches
 from twinkle_megatron.metric.inputs.tensors import token_mask
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import HostSyncError, count_collectives, forbid_host_sync
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 
 class LabelRange(Metric):

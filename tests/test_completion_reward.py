@@ -7,11 +7,11 @@ import statistics
 import pytest
 import torch
 import torch.distributed as dist
-from kit.batches import RankView
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant, calculate_or_error
 
 from twinkle_megatron.metric.rl.completion_reward import CompletionRewardMetric
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant, calculate_or_error
 
 COMPLETIONS = 16
 

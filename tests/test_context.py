@@ -8,9 +8,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from kit.distributed import Layout, run_distributed
 
 from twinkle_megatron import Accuracy, LossMetric, MetricCollection, ParallelContext
+from twinkle_megatron.testing.distributed import Layout, run_distributed
 
 
 def _from_megatron() -> tuple:

@@ -9,9 +9,9 @@ never reach the skip list.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from kit.fork_server import run_python
 
 from twinkle_megatron.tracker.incidents import load_incidents, read_skip_list
 
@@ -29,8 +29,7 @@ def _strict(line: str) -> dict:
 def _run(tmp_path: Path, lr: str, steps: int) -> tuple[str, list[dict], list[dict]]:
     flags = ["--steps", str(steps), "--log-interval", "1", "--lr", lr, "--layer-norms", "--log-dir", str(tmp_path),
              "--run-name", "run", "--backends", "stdout", "jsonl"]
-    done = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
+    done = run_python([str(SCRIPT), *flags], timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
     records = [_strict(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from kit.fork_server import run_python
 
 from twinkle_megatron.cli import main
 from twinkle_megatron.tracker.incidents import load_incidents, read_skip_list
@@ -31,8 +30,7 @@ def test_the_planted_sample_is_named_and_printed(tmp_path, capsys):
     flags = ["--tp", "2", "--pp", "2", "--dp", "1", "--micro-batch-size", "1", "--microbatches", "2",
              "--steps", str(STEP), "--log-interval", "1", "--plant-bad-sample", str(STEP), "--spike-threshold", "0",
              "--layer-norms", "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl"]
-    done = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
+    done = run_python([str(SCRIPT), *flags], timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     planted = (STEP - 1) * 2 + 1  # the middle of the step's global batch of 2
     incident = {i["step"]: i for i in load_incidents(str(tmp_path / "run"))}[STEP]

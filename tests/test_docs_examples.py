@@ -3,8 +3,9 @@
 Pages are found when the tests are collected (a new ``docs/*.md`` page is tested without
 being listed here). Each block runs in a fresh Python process (the venv's interpreter, a
 temporary working directory, a time limit), so a block cannot lean on another block's
-imports or state, nor on the test suite's. A block that continues the one before it on
-the same page says so on the line above its fence::
+imports or state, nor on the test suite's (the process is forked from a server that imported torch
+and megatron-core once, kit/fork_server.py, so a block does not pay for those imports again). A block
+that continues the one before it on the same page says so on the line above its fence::
 
     <!-- docs-test: continue -->
     ```python
@@ -23,11 +24,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from kit.fork_server import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -107,8 +108,9 @@ def test_the_python_block_runs(session, tmp_path):
     launcher = [] if session.ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
                                               f"--nproc-per-node={session.ranks}"]
     try:
-        done = subprocess.run([sys.executable, *launcher, "driver.py", "blocks.json"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=TIME_LIMIT_S)
+        # A fresh interpreter for the block, forked from one that imported torch and megatron-core once
+        # (kit/fork_server.py); torchrun's ranks are its own fresh processes.
+        done = run_python([*launcher, "driver.py", "blocks.json"], cwd=tmp_path, env=env, timeout=TIME_LIMIT_S)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{session.name} ran past {TIME_LIMIT_S} s; stderr:\n{(error.stderr or b'')[-3000:]!r}")
     assert done.returncode == 0, f"{session.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

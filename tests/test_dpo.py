@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches
-from kit.distributed import Layout
-from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron.metric.rl.dpo import DPOMetric
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.distributed import Layout
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 BATCH, SEQ, BETA = 8, 12, 0.1
 

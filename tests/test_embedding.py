@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from kit.batches import RankView, split_microbatches
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron.metric.language.embedding import EmbeddingMetric
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 ROWS, SEQ, DIM = 16, 8, 6
 

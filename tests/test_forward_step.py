@@ -17,9 +17,6 @@ import inspect
 
 import pytest
 import torch
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.guards import host_sync_free
 from kit.megatron_gpt import (
     GPTSpec,
     blended_batch,
@@ -32,6 +29,9 @@ from kit.megatron_gpt import (
 
 from twinkle_megatron.megatron import MegatronInstrumentation, instrument
 from twinkle_megatron.megatron.forward_step import StepSignature
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import host_sync_free
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 TRUE_VOCAB = 60

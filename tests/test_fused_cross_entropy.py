@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives, forbid_host_sync
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from twinkle_megatron.ops import vocab_parallel_token_stats
 from twinkle_megatron.ops.fused_cross_entropy import vocab_parallel_cross_entropy_with_stats
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import count_collectives, forbid_host_sync
 
 SEQ, BATCH = 7, 3
 

@@ -15,9 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.guards import host_sync_free
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -31,6 +28,9 @@ from megatron.core import parallel_state
 
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.megatron.fused_loss import FusedLoss
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import host_sync_free
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16)
 TRUE_VOCAB = 60

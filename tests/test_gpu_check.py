@@ -148,10 +148,10 @@ def test_summary_of_a_real_tracker_log(tmp_path: Path) -> None:
 
 
 def _overhead_worker(spec_kwargs: dict) -> dict:
-    from kit.cuda_shim import cpu_cuda_shim
     from step_overhead import StepSpec, measure, overhead
 
     from twinkle_megatron.ops import token_stats
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
     calls = {"triton": 0}
     real = token_stats.triton_local_pass
@@ -176,7 +176,7 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
     with the (interpreted) Triton kernel on the [s, b, v] logits of the output layer."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
-    from kit.distributed import Layout, run_distributed
+    from twinkle_megatron.testing.distributed import Layout, run_distributed
 
     spec = dict(hidden_size=32, layers=2, heads=4, seq_length=8, micro_batch_size=2, microbatches=2,
                 vocab_size=100, steps_per_block=1, rounds=2, warmup=0, te=False)
@@ -198,9 +198,10 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
 
 def _sections_worker() -> list:
     """The timings' sections on a CPU rank at tiny sizes: the same code paths, perf_counter timing."""
-    from kit.cuda_shim import cpu_cuda_shim
     from megatron.core import parallel_state
     from step_overhead import StepSpec
+
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
     device = torch.device("cpu")
     group = parallel_state.get_tensor_model_parallel_group()
@@ -221,7 +222,7 @@ def test_gpu_sections_dry_run_on_cpu() -> None:
     code run, every launch configuration of the sweep is timed, the step's metrics are finite, the table prints."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
-    from kit.distributed import Layout, run_distributed
+    from twinkle_megatron.testing.distributed import Layout, run_distributed
 
     rows, facts = run_distributed(_sections_worker, layout=Layout(), timeout=600)[0]
     failed = [r for r in rows if r.status == "FAIL"]

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -40,6 +36,10 @@ from twinkle_megatron import (
     TrainMetric,
 )
 from twinkle_megatron.megatron import instrument
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 
 ROWS, SEQ, VOCAB, PADDED = 8, 8, 40, 48
 GROUPS = ("web", "code", "math")

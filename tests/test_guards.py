@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from kit.distributed import run_distributed
-from kit.guards import HostSyncError, count_collectives, forbid_host_sync
+
+from twinkle_megatron.testing.distributed import run_distributed
+from twinkle_megatron.testing.guards import HostSyncError, count_collectives, forbid_host_sync
 
 LABELS = torch.tensor([[1, 2, -100], [3, -100, 4]])
 MASK = LABELS != -100

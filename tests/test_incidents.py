@@ -17,15 +17,15 @@ import os
 
 import pytest
 import torch
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives
 from kit.megatron_gpt import GPTSpec, make_batch
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 
 from twinkle_megatron import MetricsTracker, TrackerConfig
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.metric import LossMetric, SampleLosses
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import count_collectives
 from twinkle_megatron.tracker.incidents import flag_reasons, format_incident, load_incidents, read_skip_list
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
@@ -185,7 +185,7 @@ def test_the_loss_chart_marks_incidents(tmp_path):
 
 
 def test_sample_losses_keep_the_top_samples_on_the_device_and_rank_non_finite_first():
-    from kit.guards import forbid_host_sync
+    from twinkle_megatron.testing.guards import forbid_host_sync
 
     samples = SampleLosses(top_k=2, dataset_names=["a", "b"])
     losses = torch.tensor([[1.0, 1.0], [float("nan"), 2.0], [3.0, 5.0], [9.0, 9.0]])

@@ -1,51 +1,25 @@
-"""The one input pipeline (``metric/inputs/view.py``): each stage entered once per call, in one direction.
+"""The one input pipeline: a call's ``(inputs, outputs, keywords)`` become one normalised view per microbatch
+(microbatches and per-call values, Twinkle's per-sequence lists laid onto the tokens, the CP cut, packed
+sub-sequences), built once per call and shared by the metrics of a collection that read the same data.
 
-A call's ``(inputs, outputs, keywords)`` become one view per microbatch: stage 1 ``inputs`` (microbatches,
-per-call values), stage 2 ``sequences`` (per-sequence values), stage 3 ``context_parallel`` (the CP cut),
-stage 4 ``packed`` (sub-sequences). The tests below trace which of these modules a metric's ``accumulate``
-enters, in order, and check that the sequence never returns to a stage it has left, with several
-microbatches, Twinkle's ragged per-sequence lists, and data that needs the CP cut.
+Checked through what a caller sees: the results against a single-process reference (ragged lists laid onto whole
+labels before the CP cut), and the device ops a collection dispatches (a metric that reads what another already
+read adds only its own bookkeeping, the same for every further reader, with the same results as alone). That each
+stage runs once per call also shows in the per-microbatch op budgets of ``tests/test_accumulate_ops.py`` (the GRPO
+family on Twinkle's ragged call form: a stage run twice adds its ops) and in its results in ``tests/test_grpo.py``
+(every layout, CP included) and ``tests/test_packed.py`` (packed sub-sequences).
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from kit.op_counts import CountOps
 
 import twinkle_megatron as tm
-from twinkle_megatron.metric.inputs import shared_call
 from twinkle_megatron.parallel import ParallelContext
-
-METRIC = Path(tm.__file__).parent / "metric" / "inputs"
-STAGES = ["microbatches.py", "sequences.py", "context_parallel.py", "packed.py"]
-
-
-def stages_entered(call) -> list[str]:
-    """The stage modules whose functions ``call()`` enters, in order, consecutive repeats collapsed."""
-    entered: list[str] = []
-    files = {str(METRIC / name): name for name in STAGES}
-
-    def profile(frame, event, arg):
-        if event == "call":
-            name = files.get(frame.f_code.co_filename)
-            if name is not None and (not entered or entered[-1] != name):
-                entered.append(name)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return entered
-
-
-def assert_one_direction(entered: list[str]) -> None:
-    order = [STAGES.index(name) for name in entered]
-    assert order == sorted(set(order)), f"stages entered: {entered} (each once, in the order {STAGES})"
 
 
 def grpo_call(microbatches: int = 2, rows: int = 2, length: int = 6):
@@ -62,57 +36,37 @@ def grpo_call(microbatches: int = 2, rows: int = 2, length: int = 6):
     return inputs, {"logps": logps}, {"old_logps": old, "advantages": advantages}
 
 
-@pytest.mark.parametrize("metric", [tm.GRPOMetric, tm.GSPOMetric, tm.CISPOMetric, tm.PPOMetric])
-def test_grpo_family_enters_each_stage_once_in_order(metric):
-    inputs, outputs, keywords = grpo_call()
-    instance = metric(top_k_kl=2, position_buckets=[0, 3, 6])
-    entered = stages_entered(lambda: instance.accumulate(inputs, outputs, **keywords))
-    assert entered == STAGES[:3] + ["packed.py"], entered
-    assert_one_direction(entered)
+def ops_of_one_call(metrics: list, microbatches: int = 2) -> tuple[int, dict]:
+    """The ops a collection of ``metrics`` dispatches for one GRPO call with logits (after a first call settled
+    the states), and its results."""
+    inputs, outputs, keywords = grpo_call(microbatches)
+    outputs = {**outputs, "logits": [torch.randn(2, 6, 50, generator=torch.Generator().manual_seed(5))]
+               * microbatches}
+    collection = tm.MetricCollection(metrics)
+    collection.accumulate(inputs, outputs, **keywords)
+    with CountOps() as counted:
+        collection.accumulate(inputs, outputs, **keywords)
+    return counted.launches, collection.calculate()
 
 
-def test_token_metrics_and_sequence_metrics_each_enter_once():
-    generator = torch.Generator().manual_seed(3)
-    labels = torch.randint(0, 16, (2, 4), generator=generator)
-    calls = {
-        tm.Accuracy(position_buckets=[0, 2, 4]): ({"labels": labels}, {"logits": torch.randn(2, 4, 16)}, {}),
-        tm.TokenStatsMetric(): ([{"labels": labels}] * 2, {"logits": [torch.randn(2, 4, 16)] * 2}, {}),
-        tm.DPOMetric(): ({"labels": labels}, {"logps": -torch.rand(2, 4)}, {"ref_logps": -torch.rand(2, 4)}),
-        tm.LossMetric(position_buckets=[0, 2, 4]): ([{"labels": labels}] * 2, {"loss": [torch.rand(2, 4)] * 2}, {}),
-        tm.PPOValueMetric(): ({"labels": labels}, {"values": torch.rand(2, 4)},
-                              {"old_values": [0.5, 0.1], "returns": [[1.0, 2.0, 3.0, 4.0], [1.0] * 4]}),
-    }
-    for metric, (inputs, outputs, keywords) in calls.items():
-        entered = stages_entered(lambda m=metric, i=inputs, o=outputs, k=keywords: m.accumulate(i, o, **k))
-        assert_one_direction(entered)
-        assert entered[0] == "microbatches.py" and "context_parallel.py" in entered, (type(metric).__name__, entered)
+# (the metric already in the collection, a metric reading the same data): GRPO's ragged lists, ratios and entropy
+# pass; PPO's policy side (GRPO's keys with the same values); Accuracy's argmax-only pass.
+READERS = [(tm.GRPOMetric, tm.PPOMetric), (tm.GRPOMetric, tm.GRPOMetric), (tm.Accuracy, tm.Accuracy)]
 
 
-def test_a_collection_builds_the_views_once_for_the_metrics_that_read_the_same():
-    """The collection's one SharedCall builds the views of each spec once (GRPO and PPO declare one spec,
-    Accuracy another), and PPO reads GRPO's views with the same results as GRPO alone."""
-    inputs, outputs, keywords = grpo_call()
-    built = []
-    original = shared_call.microbatch_views
-
-    def counting(*args, **kwargs):
-        built.append(args[3].metric)
-        return original(*args, **kwargs)
-
-    # PPO's policy side reports GRPO's keys with the same values (GSPO's and CISPO's clip rates differ).
-    collection = tm.MetricCollection([tm.GRPOMetric(), tm.PPOMetric(), tm.Accuracy(), tm.TokenStatsMetric()])
-    shared_call.microbatch_views = counting
-    try:
-        collection.accumulate(inputs, {**outputs, "logits": [torch.randn(2, 6, 50)] * 2}, **keywords)
-    finally:
-        shared_call.microbatch_views = original
-    assert built == ["GRPOMetric", "Accuracy"], built
-    results = collection.calculate()
-    alone = tm.GRPOMetric()
-    alone.accumulate(inputs, {**outputs, "logits": [torch.randn(2, 6, 50)] * 2}, **keywords)
-    expected = alone.calculate()
-    for key in ("train/approx_kl", "train/clip_ratio", "train/mean_old_logp"):
-        assert math.isclose(results[key], expected[key], rel_tol=1e-12), key
+@pytest.mark.parametrize("first, reader", READERS, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_a_metric_reading_what_another_read_adds_only_its_own_bookkeeping(first, reader, microbatches):
+    alone, expected = ops_of_one_call([reader()], microbatches)
+    base, _ = ops_of_one_call([first()], microbatches)
+    one, results = ops_of_one_call([first(), reader()], microbatches)
+    two, _ = ops_of_one_call([first(), reader(), reader()], microbatches)
+    # Views, sequence lists, token terms and the logits pass are made once per call: each further reader costs
+    # its own sums and state updates only, the same for the second as for the first, under half of its ops alone.
+    assert two - one == one - base, (base, one, two)
+    assert 0 < 2 * (one - base) < alone, (one - base, alone)
+    for key, value in expected.items():
+        assert math.isclose(results[key], value, rel_tol=1e-12), key
 
 
 def test_ragged_lists_are_laid_onto_whole_labels_before_the_cp_cut():
@@ -134,10 +88,7 @@ def test_ragged_lists_are_laid_onto_whole_labels_before_the_cp_cut():
                            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
         inputs = {"labels": labels, "input_ids": labels[:, local].clamp(min=0),
                   "completion_mask": torch.ones(2, length // cp, dtype=torch.bool)}
-        entered = stages_entered(lambda m=metric, i=inputs: m.accumulate(i, {"logps": logps}, old_logps=old,
-                                                                         advantages=advantages))
-        assert_one_direction(entered)
-        assert "sequences.py" in entered and "context_parallel.py" in entered, entered
+        metric.accumulate(inputs, {"logps": logps}, old_logps=old, advantages=advantages)
         for name, value in metric.sync_states().items():
             totals[name] = totals.get(name, 0.0) + float(value.sum())
     # The single-process reference: each ragged list on its sequence's counted tokens, k3 = e^d − d − 1.

@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from kit.distributed import run_distributed
 
 from twinkle_megatron.logging import (
     Backend,
@@ -26,6 +25,7 @@ from twinkle_megatron.logging import (
     read_jsonl,
 )
 from twinkle_megatron.logging.stdout import significant
+from twinkle_megatron.testing.distributed import run_distributed
 from twinkle_megatron.tracker import MetricsTracker, TrackerConfig
 
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import LossMetric, MetricCollection, ParallelContext
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 GLOBAL_BATCH, SEQ = 8, 12
 LAYOUTS = [

@@ -17,8 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from kit.cuda_shim import PATCHED_CUDA_FUNCTIONS, cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -31,6 +29,9 @@ from kit.megatron_gpt import (
     tp_shard,
 )
 from megatron.core import parallel_state
+
+from twinkle_megatron.testing.cuda_shim import PATCHED_CUDA_FUNCTIONS, cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
 
 GLOBAL_BATCH = 8
 TIMEOUT = 120

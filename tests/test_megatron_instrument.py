@@ -16,10 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.guards import host_sync_free
-from kit.invariance import calculate_or_error
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -34,6 +30,10 @@ from kit.references import accuracy_reference, token_stats_reference
 from megatron.core import parallel_state
 
 from twinkle_megatron.megatron import MegatronInstrumentation, MetricHookError, instrument
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import host_sync_free
+from twinkle_megatron.testing.invariance import calculate_or_error
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16)
 TRUE_VOCAB = 60  # Megatron pads the vocabulary: columns 60..63 exist in the model but are not tokens

@@ -27,9 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives, host_sync_free
 from kit.megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
 from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config, recompute_rng_on_cpu
 from megatron.core import parallel_state
@@ -40,6 +37,9 @@ from twinkle_megatron import keys
 from twinkle_megatron.megatron import MetricHookError, instrument, router_hooks
 from twinkle_megatron.megatron.router_hooks import MoERoutingHooks
 from twinkle_megatron.metric.language.moe_routing import MoERoutingMetric
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import count_collectives, host_sync_free
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16,

@@ -10,11 +10,11 @@ import math
 
 import pytest
 import torch
-from kit.guards import forbid_host_sync
 from kit.moe_cases import routing_map, small_moe_metric
 
 from twinkle_megatron import keys
 from twinkle_megatron.metric.language.moe_routing import MoERoutingMetric
+from twinkle_megatron.testing.guards import forbid_host_sync
 
 
 def test_formulas_on_a_hand_made_interval():

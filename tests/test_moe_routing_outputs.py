@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from kit.fork_server import run_python
 from kit.moe_cases import routing_map, small_moe_metric
 from kit.readme import key_table
 
@@ -58,7 +58,7 @@ def test_the_moe_demo_logs_and_charts_routing_health(tmp_path):
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "2", "--dp", "2",
                "--ep", "2", "--moe-experts", "4", "--moe-topk", "2", "--steps", "2", "--log-interval", "1",
                "--log-dir", str(tmp_path), "--run-name", "run", "--backends", "jsonl", "stdout"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    done = run_python(command[1:], timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = tmp_path / "run" / "metrics.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()]

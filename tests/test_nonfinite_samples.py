@@ -19,8 +19,6 @@ import math
 
 import pytest
 import torch
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -33,6 +31,8 @@ from kit.megatron_gpt import (
 from twinkle_megatron import Accuracy, LossMetric
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.metric import SampleLosses
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 GLOBAL_BATCH, MICRO_BATCH, PLANTED = 8, 2, 5  # the planted sample shares its microbatch with row 4

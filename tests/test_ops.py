@@ -7,8 +7,8 @@ for bit across ranks and with ``argmax`` / ``log_softmax`` / ``-(p log p).sum()`
 computed in float64 from the same values. Tolerance for log-probs and entropy:
 ``|ours - ref| <= 1e-5 + 1e-5·|ref|`` (absolute 1e-5 plus relative 1e-5,
 ``torch.testing`` style); argmax exact. Multi-rank cases fork gloo workers
-(``kit.distributed``); collectives are counted and host syncs forbidden by the
-kit's dispatch-level guard (``kit.guards``).
+(``twinkle_megatron.testing.distributed``); collectives are counted and host syncs forbidden by the
+kit's dispatch-level guard (``twinkle_megatron.testing.guards``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from kit.distributed import Layout, run_distributed
-from kit.guards import HostSyncError, count_collectives, forbid_host_sync
 from kit.ops_cases import (
     CASES,
     CHUNKS,
@@ -44,6 +42,8 @@ from twinkle_megatron.ops import (
 )
 from twinkle_megatron.ops.shard import decode_key, encode_key
 from twinkle_megatron.ops.torch_local_pass import first_max_column, torch_local_pass
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import HostSyncError, count_collectives, forbid_host_sync
 
 
 def op_results(shard: torch.Tensor, labels: torch.Tensor, vocab_size, group=None, chunks=(None,),
@@ -402,7 +402,7 @@ def _no_sync_worker(cases: list) -> list:
 
 
 def test_no_host_sync() -> None:
-    """With every host sync raising (``kit.guards``), every op still runs (TP=2) and is right."""
+    """With every host sync raising (``twinkle_megatron.testing.guards``), every op still runs (TP=2) and is right."""
     cases = [CASES[1], CASES[2], CASES[3], CASES[6]]
     with pytest.raises(HostSyncError, match="host sync"), forbid_host_sync():
         bool(torch.ones(1))  # the guard itself works

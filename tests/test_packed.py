@@ -13,15 +13,15 @@ import functools
 
 import pytest
 import torch
-from kit.batches import RankView, thd_positions
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 from kit.megatron_gpt import GPTSpec, build_gpt_model, gpt_forward_step, lm_loss_func, run_forward_backward
 from kit.megatron_packed import packed_layer_spec, packed_seq_params
 
 from twinkle_megatron import DPOMetric, GRPOMetric, GSPOMetric
 from twinkle_megatron.megatron import instrument
+from twinkle_megatron.testing.batches import RankView, thd_positions
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 16, 2]  # real lengths; two packed rows of four sequences
 PER_ROW, SEQ, MULTIPLE = 4, 16, 4

@@ -9,12 +9,12 @@ import random
 
 import pytest
 import torch
-from kit.guards import forbid_host_sync
-from test_accumulate_ops import CountOps
+from kit.op_counts import CountOps
 
 import twinkle_megatron as tm
 from twinkle_megatron.metric.state.base import Metric
 from twinkle_megatron.metric.state.pending import PENDING_ROWS
+from twinkle_megatron.testing.guards import forbid_host_sync
 
 
 class Updates(Metric):

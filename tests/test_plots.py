@@ -155,11 +155,11 @@ def test_a_diverging_runs_accuracy_axis_does_not_magnify_noise(tmp_path):
 
 def _tracked_gpt_worker(log_dir: str) -> list[dict]:
     """World 1: a real megatron-core GPT, DDP and optimizer, 3 steps with record_grad_norms, logged to JSONL."""
-    from kit.cuda_shim import cpu_cuda_shim
     from kit.megatron_gpt import GPTSpec, make_batch
     from kit.megatron_training import build_trained_gpt, train_forward_backward
 
     from twinkle_megatron import MetricsTracker, TrackerConfig
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 
     spec = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
     records = []
@@ -179,7 +179,7 @@ def _tracked_gpt_worker(log_dir: str) -> list[dict]:
 def test_the_per_layer_gradient_norm_chart_of_a_real_run(tmp_path, capsys):
     """docs/step-health.md: the per-layer keys of record_grad_norms are charted. The heat map's cells are the
     logged norms, layer by layer and step by step, and `plot` writes layer_grad_norms.png."""
-    from kit.distributed import Layout, run_distributed
+    from twinkle_megatron.testing.distributed import Layout, run_distributed
 
     run_dir = str(tmp_path / "run")
     records = run_distributed(_tracked_gpt_worker, layout=Layout(), args=(run_dir,), timeout=120)[0]

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches, thd_positions
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -29,6 +25,10 @@ from kit.references import full_vocab_stats
 from twinkle_megatron import Accuracy, DPOMetric, LossMetric, MetricCollection, TokenStatsMetric
 from twinkle_megatron.keys import parse_position_bucket_key, position_bucket_key
 from twinkle_megatron.megatron import instrument
+from twinkle_megatron.testing.batches import RankView, split_microbatches, thd_positions
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 ROWS, SEQ, VOCAB, PADDED = 8, 16, 40, 48
 EDGES = [0, 3, 8, 13, 16]  # crosses the CP chunks (4 positions each at cp=2)
@@ -170,7 +170,7 @@ def accumulate_collectives(layout: Layout, microbatches: int) -> dict:
 
 
 def test_each_bucket_equals_its_float64_reference_in_one_process():
-    from kit.invariance import assert_matches, run_calls
+    from twinkle_megatron.testing.invariance import assert_matches, run_calls
 
     metric = collection()
     run_calls(metric, feed_padded(metric, padded_data(), RankView(), 2))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from kit.distributed import run_distributed
 
 from twinkle_megatron.cli import format_summary
 from twinkle_megatron.logging.rank_hosts import FILE_NAME, read_rank_hosts, record_rank_hosts
 from twinkle_megatron.logging.runlog import RunLogError, load_run
+from twinkle_megatron.testing.distributed import run_distributed
 
 HOSTS = ["node1", "node1", "node2", "node2"]
 

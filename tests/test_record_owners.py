@@ -10,10 +10,7 @@ counts two metrics report alike on purpose (``merge_results`` checks they agree)
 from __future__ import annotations
 
 import torch
-from kit.batches import RankView
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.invariance import run_calls
+from kit.collection_cases import feed, global_batch, make_metrics
 from kit.megatron_gpt import GPTSpec, make_batch
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 from kit.owners import owners, spy_on_computes
@@ -21,6 +18,10 @@ from kit.owners import owners, spy_on_computes
 from twinkle_megatron import Accuracy, LossMetric, MetricCollection, MetricsTracker, TokenStatsMetric, keys
 from twinkle_megatron.megatron import HookFailures, instrument
 from twinkle_megatron.metric import SampleLosses
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import run_calls
 from twinkle_megatron.tracker import MemorySnapshot, TrackerConfig
 from twinkle_megatron.tracker import step_states as tracker_module
 
@@ -121,8 +122,6 @@ def test_every_key_of_an_instrumented_megatron_run_has_one_owner():
 
 def test_every_key_of_each_builtin_metric_has_one_owner():
     """All built-in metrics in one collection (and a hook failure): each key from one metric's compute."""
-    from test_all_metrics_collection import feed, global_batch, make_metrics
-
     collection = make_metrics((3, True))
     run_calls(collection, feed(collection, global_batch(), RankView()))
     failures = HookFailures()

@@ -13,10 +13,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from kit.batches import RankView
-from kit.distributed import Layout, run_distributed
-from kit.guards import forbid_host_sync
-from kit.invariance import assert_layout_invariant, assert_matches, calculate_or_error, run_calls
 from kit.metric_cases import (
     CASE_IDS,
     CASES,
@@ -41,6 +37,10 @@ from twinkle_megatron import (
     TokenStatsMetric,
     TrainMetric,
 )
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import forbid_host_sync
+from twinkle_megatron.testing.invariance import assert_layout_invariant, assert_matches, calculate_or_error, run_calls
 
 TIMING_KEYS = ("total time elapse", "speed")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches
-from kit.distributed import Layout
-from kit.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 
 from twinkle_megatron import CISPOMetric, GRPOMetric, GSPOMetric, MetricCollection, PPOMetric
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.distributed import Layout
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant, assert_matches, run_calls
 
 ROWS, SEQ, THRESHOLD = 8, 8, 0.3
 KEYS = ("train/token_mult_prob_error", "train/rollout_kl", "train/rollout_logp_diff_max",

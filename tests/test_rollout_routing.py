@@ -15,15 +15,15 @@ import inspect
 
 import pytest
 import torch
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives, host_sync_free
 from kit.megatron_gpt import GPTSpec, lm_loss_func, make_batch, run_forward_backward
 from kit.megatron_moe import MoESpec, build_moe_model, init_parallel, moe_config
 from megatron.core.models.gpt import GPTModel
 
 from twinkle_megatron.megatron import MetricHookError, RolloutRoutingMetric, attach_rollout_routing, instrument
 from twinkle_megatron.megatron.router_hooks import MoERoutingHooks
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import count_collectives, host_sync_free
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16,
                add_bias_linear=False)

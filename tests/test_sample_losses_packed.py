@@ -16,9 +16,6 @@ import math
 
 import pytest
 import torch
-from kit.batches import thd_positions
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
 from kit.megatron_gpt import GPTSpec, build_gpt_model, gpt_forward_step, lm_loss_func, run_forward_backward
 from kit.megatron_packed import packed_layer_spec, packed_seq_params
 from megatron.core import parallel_state
@@ -26,6 +23,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.metric import SampleLosses
+from twinkle_megatron.testing.batches import thd_positions
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
 
 GPT = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=16)
 ROWS = [[3, 7, 4], [8, 2, 3], [5, 2, 3], [2, 9]]  # real lengths; each row padded to 16 (multiples of 4)
@@ -161,7 +161,7 @@ def _packed_call(nan_in: int = -1) -> tuple[dict, dict]:
 
 
 def test_a_packed_row_gives_one_sample_per_sequence_and_names_a_nonfinite_one():
-    from kit.guards import forbid_host_sync
+    from twinkle_megatron.testing.guards import forbid_host_sync
 
     samples = SampleLosses(top_k=3)
     inputs, outputs = _packed_call(nan_in=2)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from kit.fork_server import python_executable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.path.join(ROOT, "examples", "slurm")
@@ -185,7 +186,7 @@ def test_sbatch_dry_run_end_to_end(tmp_path):
     (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a\\ngpu-b\\n"\n')
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable, "DRY_RUN": "1",
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": python_executable(), "DRY_RUN": "1",
            "TP": "2", "PP": "2", "STEPS": "100", "MICROBATCHES": "8", "BACKENDS": "stdout jsonl wandb",
            **SLURM_ENV, "SLURM_RESTART_COUNT": "1"}
     result = subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -199,8 +200,8 @@ def test_sbatch_dry_run_end_to_end(tmp_path):
 
 def test_sbatch_dry_run_without_an_allocation(tmp_path):
     """`DRY_RUN=1 bash train.sbatch` outside Slurm: no srun needed; one torchrun line per node of NODES."""
-    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DRY_RUN": "1", "NODES": "2", "GPUS_PER_NODE": "4",
-           "HOME": str(tmp_path), **PACKAGE_PATH}
+    env = {"PATH": os.environ["PATH"], "PYTHON": python_executable(), "DRY_RUN": "1", "NODES": "2",
+           "GPUS_PER_NODE": "4", "HOME": str(tmp_path), **PACKAGE_PATH}
     result = subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "DRY_RUN outside an allocation: NODES=2 × GPUS_PER_NODE=4" in result.stdout
@@ -233,7 +234,7 @@ def test_torchrun_is_started_ignoring_usr1(tmp_path):
 
 
 def _dry_run(tmp_path, **knobs):
-    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "HOME": str(tmp_path), "DRY_RUN": "1",
+    env = {"PATH": os.environ["PATH"], "PYTHON": python_executable(), "HOME": str(tmp_path), "DRY_RUN": "1",
            **PACKAGE_PATH, **knobs}
     return subprocess.run(["bash", SBATCH], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 

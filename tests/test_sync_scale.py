@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from kit.distributed import run_distributed
-from kit.guards import count_collectives
 
 import twinkle_megatron as tm
+from twinkle_megatron.testing.distributed import run_distributed
+from twinkle_megatron.testing.guards import count_collectives
 
 ROWS, DIM, SEQ, VOCAB = 4, 6, 5, 11
 

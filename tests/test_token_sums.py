@@ -1,17 +1,17 @@
 """A microbatch's sums and maxima folded into their states together (``Metric._add_token_sums``,
-``_maximum_token_values``): the same states as one update per state, in a fixed number of ops."""
+``_maximum_token_values``): the states equal a token-by-token float64 reference, in a fixed number of ops."""
 
 from __future__ import annotations
 
 import pytest
-import test_grpo as grpo_cases
 import torch
-from kit.distributed import Layout
-from kit.guards import forbid_host_sync
-from kit.invariance import assert_layout_invariant
-from test_accumulate_ops import CountOps
+from kit import grpo_cases
+from kit.op_counts import CountOps
 
 import twinkle_megatron as tm
+from twinkle_megatron.testing.distributed import Layout
+from twinkle_megatron.testing.guards import forbid_host_sync
+from twinkle_megatron.testing.invariance import assert_layout_invariant
 
 NAMES = tuple(f"s{index}" for index in range(12))
 
@@ -33,20 +33,53 @@ class ManySums(tm.Metric):
         self._add_token_sums(dict(zip(NAMES, values)), valid, groups, {"count": count})
         self._maximum_token_values({"high": values[0], "low": -values[1]}, valid, groups)
 
-    def add_one_by_one(self, values, valid, groups, count):
-        for name, value in zip(NAMES, values):
-            self._add_token_sums({name: torch.where(valid, value.to(torch.float64), 0.0)}, groups=groups)
-        self._add("count", count)
-        self._maximum_token_values({"high": torch.where(valid, values[0].to(torch.float64), float("-inf"))}, None,
-                                   groups)
-        self._maximum_token_values({"low": torch.where(valid, -values[1].to(torch.float64), float("-inf"))}, None,
-                                   groups)
-
     def slices(self, shape):
-        ids = torch.arange(shape[0]) % 3 - int(shape[0] == 4)  # one id out of range when there are four rows
-        positions = torch.arange(shape[1])
-        return self._token_groups(ids, torch.ones(shape, dtype=torch.bool), torch.ones(shape, dtype=torch.bool),
-                                  positions)
+        return self._token_groups(row_group_ids(shape), torch.ones(shape, dtype=torch.bool),
+                                  torch.ones(shape, dtype=torch.bool), torch.arange(shape[1]))
+
+
+def row_group_ids(shape) -> torch.Tensor:
+    """Each row's group id: 0, 1, 2 in turn, shifted down by one (so two rows out of range) when there are four."""
+    return torch.arange(shape[0]) % 3 - int(shape[0] == 4)
+
+
+POSITION_BUCKETS = ((0, 2), (2, 5))  # position_buckets=[0, 2, 5]: [0, 2) and [2, 5); later positions in none
+
+
+def reference_states(calls: list, shape) -> dict:
+    """The states written out token by token in float64, from the values alone: each sum over the valid tokens
+    (of all, of each group's rows, of each bucket's columns), each maximum likewise (-inf where none), the counts."""
+    ids = row_group_ids(shape)
+    slices = {"": torch.ones(shape, dtype=torch.bool)}
+    slices.update({f"/groups{g}": (ids == g)[:, None].expand(shape) for g in range(3)})
+    columns = torch.arange(shape[1])
+    slices.update({f"/positions{b}": ((columns >= lo) & (columns < hi))[None, :].expand(shape)
+                   for b, (lo, hi) in enumerate(POSITION_BUCKETS)})
+    per_token = {name: [] for name in (*NAMES, "high", "low")}
+    valids = []
+    for values, valid in calls:
+        valids.append(valid)
+        for name, value in zip(NAMES, values):
+            per_token[name].append(value.to(torch.float64))
+        per_token["high"].append(values[0].to(torch.float64))
+        per_token["low"].append(-values[1].to(torch.float64))
+    expected = {"count": torch.tensor(float(sum(int((~valid).sum()) for valid in valids)), dtype=torch.float64),
+                "invalid_group_ids": torch.tensor(float(len(calls) * int((ids < 0).sum()) * shape[1]),
+                                                  dtype=torch.float64)}
+    for name, tensors in per_token.items():
+        for suffix, where in slices.items():
+            picked = [value[valid & where] for value, valid in zip(tensors, valids)]
+            every = torch.cat(picked)
+            if name in NAMES:
+                total = every.sum() if every.numel() else torch.tensor(0.0, dtype=torch.float64)
+            else:
+                total = every.max() if every.numel() else torch.tensor(float("-inf"), dtype=torch.float64)
+            key, index = (name + suffix[:-1], int(suffix[-1])) if suffix else (name, None)
+            if index is None:
+                expected[key] = total
+            else:
+                expected.setdefault(key, []).append(total)
+    return {key: torch.stack(value) if isinstance(value, list) else value for key, value in expected.items()}
 
 
 def values_with_poison(shape, seed):
@@ -64,18 +97,16 @@ def values_with_poison(shape, seed):
 
 
 @pytest.mark.parametrize("shape", [(4, 16), (3, 5)])
-def test_together_equals_one_by_one_and_nothing_outside_valid_leaks(shape):
-    metrics = [ManySums(group_names=["a", "b", "c"], position_buckets=[0, 2, 5]) for _ in range(2)]
-    for seed in range(3):
-        values, valid = values_with_poison(shape, seed)
-        count = (~valid).sum()
-        metrics[0].add_together(values, valid, metrics[0].slices(shape), count)
-        metrics[1].add_one_by_one(values, valid, metrics[1].slices(shape), count)
-    together, one_by_one = (metric._states for metric in metrics)
-    assert together.keys() == one_by_one.keys()
-    for name in together:
-        assert not torch.isnan(together[name]).any(), name  # maxima of empty slices are -inf, never NaN
-        torch.testing.assert_close(together[name], one_by_one[name], rtol=1e-12, atol=1e-12, msg=name)
+def test_the_states_equal_a_token_by_token_reference_and_nothing_outside_valid_leaks(shape):
+    metric = ManySums(group_names=["a", "b", "c"], position_buckets=[0, 2, 5])
+    calls = [values_with_poison(shape, seed) for seed in range(3)]
+    for values, valid in calls:
+        metric.add_together(values, valid, metric.slices(shape), (~valid).sum())
+    expected = reference_states(calls, shape)
+    assert metric._states.keys() == expected.keys()
+    for name, state in metric._states.items():
+        assert not torch.isnan(state).any(), name  # maxima of empty slices are -inf, never NaN
+        torch.testing.assert_close(state, expected[name], rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_the_ops_do_not_grow_with_the_number_of_sums():

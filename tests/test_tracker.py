@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-from kit.distributed import Layout, run_distributed
-from kit.guards import count_collectives, forbid_host_sync
 
 from twinkle_megatron import LossMetric, MetricCollection, TrainMetric
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import count_collectives, forbid_host_sync
 from twinkle_megatron.tracker import MemorySnapshot, MetricsTracker, TrackerConfig, num_floating_point_operations
 from twinkle_megatron.tracker import step_states as tracker_module
 

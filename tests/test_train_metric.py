@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
-from kit.batches import RankView
-from kit.distributed import Layout
-from kit.invariance import Call, assert_layout_invariant
 
 from twinkle_megatron import TrainMetric
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.distributed import Layout
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 
 def test_keys_and_numbers():

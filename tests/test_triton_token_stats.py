@@ -29,8 +29,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from kit.distributed import run_distributed
-from kit.guards import count_collectives
 from kit.ops_cases import CASES, Case, assert_close, assert_same_on_ranks, case_inputs, check_case, local_shard
 from kit.references import IGNORE_INDEX, full_vocab_stats
 
@@ -42,6 +40,8 @@ from twinkle_megatron.ops import (
 )
 from twinkle_megatron.ops.kernel_select import ENV_KERNEL, choose_kernel
 from twinkle_megatron.ops.torch_local_pass import torch_local_pass
+from twinkle_megatron.testing.distributed import run_distributed
+from twinkle_megatron.testing.guards import count_collectives
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs the pinned one)")
 

@@ -17,7 +17,6 @@ import statistics
 
 import pytest
 import torch
-from kit.invariance import assert_matches
 from kit.references import accuracy_reference
 
 from twinkle_megatron import (
@@ -35,6 +34,7 @@ from twinkle_megatron import (
     PPOValueMetric,
     TrainMetric,
 )
+from twinkle_megatron.testing.invariance import assert_matches
 
 try:  # Twinkle's TypedDicts are dicts at run time
     from twinkle.data_format import InputFeature, ModelOutput

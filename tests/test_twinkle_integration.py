@@ -20,7 +20,8 @@ import os
 
 import pytest
 import torch
-from kit.distributed import run_distributed
+
+from twinkle_megatron.testing.distributed import run_distributed
 
 twinkle = pytest.importorskip("twinkle.metric", reason="Twinkle is not installed here: run `make test-twinkle`")
 

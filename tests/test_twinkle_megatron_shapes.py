@@ -25,12 +25,12 @@ import math
 
 import pytest
 import torch
-from kit.batches import RankView, split_microbatches
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant, run_variants
 from kit.references import accuracy_reference, full_vocab_stats, token_stats_reference
 
 from twinkle_megatron import Accuracy, DPOMetric, GRPOMetric, LossMetric, MetricCollection, TokenStatsMetric
+from twinkle_megatron.testing.batches import RankView, split_microbatches
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant, run_variants
 
 BATCH, SEQ, VOCAB, PADDED_VOCAB = 8, 16, 40, 48
 

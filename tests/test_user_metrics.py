@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit.batches import RankView
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
-from kit.invariance import Call, assert_layout_invariant
 from kit.megatron_gpt import (
     GPTSpec,
     build_gpt_model,
@@ -25,6 +21,10 @@ from kit.megatron_gpt import (
 
 from twinkle_megatron import Accuracy, LossMetric, Metric, MetricCollection, MetricsTracker, TrackerConfig
 from twinkle_megatron.megatron import instrument
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.invariance import Call, assert_layout_invariant
 
 
 class LabelTokens(Metric):

@@ -16,8 +16,6 @@ import re
 
 import pytest
 import torch
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
 from kit.megatron_evaluation import RecordingWriter, evaluate_and_print_results
 from kit.megatron_gpt import (
     GPTSpec,
@@ -31,6 +29,8 @@ from kit.megatron_gpt import (
 
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.megatron.validation import is_evaluation
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 TRUE_VOCAB = 60

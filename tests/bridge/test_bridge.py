@@ -18,14 +18,14 @@ import os
 
 import megatron.core
 import pytest
-from kit.cuda_shim import cpu_cuda_shim
-from kit.distributed import Layout, run_distributed
 from kit.megatron_bridge import BridgeUnavailable, ConfigContainer, GlobalState, ModelSettings, load_bridge
 from kit.megatron_gpt import GPTSpec, blended_batch, blended_reference, build_gpt_model, local_microbatches
 from megatron.core import parallel_state
 from packaging.version import Version
 
 from twinkle_megatron.megatron import instrument
+from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+from twinkle_megatron.testing.distributed import Layout, run_distributed
 
 ENABLED = os.environ.get("TWINKLE_BRIDGE_TEST") == "1"
 pytestmark = pytest.mark.skipif(not ENABLED, reason="Megatron-Bridge's own code (needs megatron-core >= 0.18): "

@@ -2,8 +2,8 @@
 
 Test support for checking code that hooks into Megatron training (metrics in
 ``forward_step``) against a single-process reference. Use inside a worker of
-``tests/kit/distributed.py`` (parallel_state initialised) and inside
-``kit.cuda_shim.cpu_cuda_shim()``::
+``twinkle_megatron.testing.distributed`` (parallel_state initialised) and inside
+``twinkle_megatron.testing.cuda_shim.cpu_cuda_shim()``::
 
     spec = GPTSpec()
     batch = make_batch(spec, global_batch_size=8)           # identical on every rank (seeded)
@@ -69,7 +69,7 @@ from megatron.core.transformer import TransformerConfig, transformer_block
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import get_attr_wrapped_model
 
-from kit.batches import cp_positions, cp_slice
+from twinkle_megatron.testing.batches import cp_positions, cp_slice
 
 __all__ = [
     "GPTSpec",
@@ -559,8 +559,8 @@ def blended_batch(spec: GPTSpec, true_vocab: int, global_batch_size: int = 8, se
 
 def blended_reference(spec: GPTSpec, true_vocab: int, group_names: Sequence[str], timeout: float) -> dict[str, float]:
     """:func:`reference_metrics` of :func:`blended_batch` on one forked rank (float64, full vocabulary)."""
-    from kit.cuda_shim import cpu_cuda_shim
-    from kit.distributed import Layout, run_distributed
+    from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
+    from twinkle_megatron.testing.distributed import Layout, run_distributed
 
     def one_rank() -> dict:
         with cpu_cuda_shim():

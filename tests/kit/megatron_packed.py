@@ -13,7 +13,7 @@ the schedules, instrument()'s hooks) is megatron-core's own code.
 
 Under context parallelism each rank holds its pieces of every packed sequence
 (megatron-core's THD split: chunks ``i`` and ``2·cp−1−i`` of each sequence,
-``kit.batches.thd_positions``); the stand-in then gathers q/k/v over the CP
+``twinkle_megatron.testing.batches.thd_positions``); the stand-in then gathers q/k/v over the CP
 group into the whole row, attends there and keeps this rank's rows (exact, like
 ``kit.megatron_gpt.GatherContextParallelAttention`` for unpacked rows).
 """
@@ -29,8 +29,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from kit.batches import thd_positions
 from kit.megatron_gpt import GatherContextParallelAttention, layer_spec
+from twinkle_megatron.testing.batches import thd_positions
 
 
 class PackedSequenceAttention(GatherContextParallelAttention):

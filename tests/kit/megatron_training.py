@@ -2,7 +2,7 @@
 
 Test support for code that reads gradients after Megatron's reduction (per-layer
 norms) or follows training steps (incidents). Inside a worker of
-``tests/kit/distributed.py`` and ``kit.cuda_shim.cpu_cuda_shim()``::
+``twinkle_megatron.testing.distributed`` and ``twinkle_megatron.testing.cuda_shim.cpu_cuda_shim()``::
 
     chunks, optimizer = build_trained_gpt(spec, distributed_optimizer=True)
     reports = train_forward_backward(chunks, batch, micro_batch_size=2)   # grads reduced (finalize_model_grads)

@@ -15,8 +15,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kit.batches import RankView
-from kit.invariance import Call, run_calls
 from twinkle_megatron import (
     Accuracy,
     CISPOMetric,
@@ -32,6 +30,8 @@ from twinkle_megatron import (
     TokenStatsMetric,
     TrainMetric,
 )
+from twinkle_megatron.testing.batches import RankView
+from twinkle_megatron.testing.invariance import Call, run_calls
 
 ROWS, COLS, VOCAB, DIM = 8, 6, 11, 5
 

@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from kit.batches import RankView
 from kit.references import IGNORE_INDEX, full_vocab_stats
+from twinkle_megatron.testing.batches import RankView
 
 ATOL = RTOL = 1e-5
 

@@ -20,7 +20,7 @@ Everything is undone on exit, also when the body raises. This shim is support fo
 the tests, the CPU demo (``examples/train_gpt.py``) and the documentation's examples;
 the library never imports it (``tests/test_layering.py``), and on GPUs it is not needed.
 
-Enter it inside a rank's process (a forked test worker, ``tests/kit/distributed.py``),
+Enter it inside a rank's process (a forked worker of ``twinkle_megatron.testing.distributed``),
 around model building and the schedule call::
 
     with cpu_cuda_shim():
