@@ -10,13 +10,13 @@ path of the Slurm recipe is tested in tests/test_slurm.py.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 import warnings
 from pathlib import Path
 
 import pytest
+from kit.example_script import load_train_gpt
 
 from twinkle_megatron.logging import (
     BACKEND_CLASSES,
@@ -34,15 +34,7 @@ from twinkle_megatron.tracker import MetricsTracker, TrackerConfig
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 
-def _load_script():
-    """examples/train_gpt.py is a script: load it from its path (as a module it installs no signal handler)."""
-    spec = importlib.util.spec_from_file_location("train_gpt_backends", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_gpt = _load_script()
+train_gpt = load_train_gpt("train_gpt_backends")
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ stops cleanly on a preemption signal, refuses impossible flags and loads only pl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit.example_script import load_train_gpt
 from kit.fork_server import run_python
 
 from twinkle_megatron import keys
@@ -23,15 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 
 
-def _load_script():
-    """examples/train_gpt.py is a script: load it from its path (as a module it installs no signal handler)."""
-    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_gpt = _load_script()
+train_gpt = load_train_gpt("train_gpt")
 
 
 def _command(tmp_path: Path, *flags: str) -> list[str]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import torch
+from kit.example_script import load_train_gpt
 from kit.fork_server import run_python
 
 from twinkle_megatron.cli import main
@@ -15,13 +15,6 @@ from twinkle_megatron.tracker.incidents import load_incidents, read_skip_list
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 STEP = 70
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_gpt_incidents", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_planted_sample_is_named_and_printed(tmp_path, capsys):
@@ -44,7 +37,7 @@ def test_the_planted_sample_is_named_and_printed(tmp_path, capsys):
 
 
 def test_skipped_samples_keep_their_place_with_no_loss(tmp_path):
-    train_gpt = _load_script()
+    train_gpt = load_train_gpt("train_gpt_incidents")
     skip = tmp_path / "skip.txt"
     skip.write_text("5\n")
     args = argparse.Namespace(seed=1, seq_length=8, vocab_size=61, micro_batch_size=2, microbatches=2, dp=1,

@@ -5,12 +5,12 @@ and the demo's MoE variant (its run log, its chart and its refused flags).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from kit.example_script import load_train_gpt
 from kit.fork_server import run_python
 from kit.moe_cases import routing_map, small_moe_metric
 from kit.readme import key_table
@@ -79,13 +79,6 @@ def test_the_moe_demo_logs_and_charts_routing_health(tmp_path):
     assert {"moe_routing.png", "moe_load.png"} <= {path.name for path in (tmp_path / "plots").iterdir()}
 
 
-def _demo_script():
-    spec = importlib.util.spec_from_file_location("train_gpt_moe", ROOT / "examples" / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("flags, message", [
     (dict(moe_experts=4, moe_topk=5), "--moe-topk 5 is more than --moe-experts 4"),
     (dict(moe_experts=6, ep=4, dp=4), "--moe-experts 6 is not divisible by --ep 4"),
@@ -94,7 +87,7 @@ def _demo_script():
     (dict(ep=2), "--ep 2 needs MoE layers"),
 ])
 def test_impossible_moe_flags_are_refused(flags, message):
-    script = _demo_script()
+    script = load_train_gpt("train_gpt_moe")
     args = script.parse_args(["--tp", "1", "--dp", "2", "--device", "cpu"])
     problems = script.flag_problems(argparse.Namespace(**{**vars(args), **flags}))
     assert any(message in problem for problem in problems), problems
