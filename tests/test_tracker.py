@@ -351,3 +351,21 @@ def test_a_loss_metrics_nonfinite_loss_flags_the_step_and_the_loss_reads_nan(tmp
     written = json.loads((tmp_path / "nan" / "metrics.jsonl").read_text(),
                          parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert written["loss"] is None and written["nonfinite"]["/loss"] == "NaN"
+
+
+def test_an_embedding_metrics_nonfinite_loss_flags_the_step(capsys):
+    """Any loss metric among the tracker's (a ``nonfinite_loss_state``), not only LossMetric: EmbeddingMetric's
+    NaN loss at step 2 is a non-finite-loss step; step 1's finite loss is not."""
+    from twinkle_megatron import EmbeddingMetric
+
+    metric = EmbeddingMetric()
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=2, backends=("stdout",)), metrics=[metric])
+    embeddings = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
+    flags = {}
+    for step, value in ((1, 0.7), (2, float("nan"))):
+        metric.accumulate({"labels": torch.tensor([1, 0, 1, 0])},
+                          {"embeddings": embeddings, "loss": torch.tensor(value, dtype=torch.float64)})
+        flags[step] = tracker.end_step(step)["train/nonfinite_loss_steps"]
+    tracker.close()
+    assert flags == {1: 0, 2: 1}
+    assert "[incident] step 2: nonfinite_loss" in capsys.readouterr().out

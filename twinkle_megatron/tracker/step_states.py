@@ -125,8 +125,9 @@ class RankStates(Metric):
 
 
 class NonfiniteLossCounts:
-    """Per step, whether a :class:`~twinkle_megatron.LossMetric` among the tracker's metrics counted a non-finite
-    loss: 1 when its :meth:`~twinkle_megatron.LossMetric.nonfinite_count` grew since the previous step end.
+    """Per step, whether a loss metric among the tracker's metrics (``LossMetric``, ``EmbeddingMetric``: those
+    with a ``nonfinite_loss_state``) counted a non-finite loss: 1 when its
+    :meth:`~twinkle_megatron.Metric.nonfinite_loss_count` grew since the previous step end.
 
     The count is this rank's (the identity 0 where the rank's data does not count): a device tensor, compared on
     the device (no host sync). The same flag as a non-finite loss given to ``end_step``, so
@@ -134,13 +135,13 @@ class NonfiniteLossCounts:
     """
 
     def __init__(self, metrics: Iterable[Metric]) -> None:
-        self.metrics = [m for m in metrics if isinstance(m, LossMetric)]
+        self.metrics = [m for m in metrics if m.nonfinite_loss_state is not None]
         self._counted: list[Optional[torch.Tensor]] = [None] * len(self.metrics)  # each count at the last step end
 
     def step_flags(self) -> list[torch.Tensor]:
         flags = []
         for position, metric in enumerate(self.metrics):
-            count, previous = metric.nonfinite_count(), self._counted[position]
+            count, previous = metric.nonfinite_loss_count(), self._counted[position]
             flags.append((count > 0) if previous is None else (count > previous.to(count.device)))
             self._counted[position] = count
         return flags

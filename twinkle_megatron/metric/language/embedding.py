@@ -76,6 +76,7 @@ class EmbeddingMetric(Metric):
     {'pos_sim': 0.8, 'pos_sim_min': 0.8, 'pos_sim_max': 0.8, 'neg_sim': 0.6}
     """
 
+    nonfinite_loss_state = "nonfinite_losses"
     call_keywords = ("grad_norm",)
     output_keys = ("embeddings", "logits")
 

@@ -78,6 +78,7 @@ class LossMetric(Metric):
 
     token_statistics = ()  # reads no logits
 
+    nonfinite_loss_state = "nonfinite_losses"
     call_keywords = ("loss", "loss_reduction", "num_tokens", "grad_norm", "group_ids")
     output_keys = ("loss",)
     reports_positions = True
@@ -146,11 +147,6 @@ class LossMetric(Metric):
     def _sliced(self, batch: Any, output: Mapping[str, Any]) -> bool:
         """Whether a microbatch's loss goes to groups or position buckets too (per-token losses or group ids)."""
         return output.get("token_losses") is not None or self.group_ids_of(batch, output) is not None
-
-    def nonfinite_count(self) -> torch.Tensor:
-        """The non-finite losses this rank counted since the last reset (its ``nonfinite_losses`` state, a device
-        tensor: nothing is read on the host). The tracker compares it step by step to count divergent steps."""
-        return self.sync_states()["nonfinite_losses"].detach().clone()
 
     def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
                   groups: Optional[TokenSlices]) -> None:

@@ -100,6 +100,9 @@ class Metric(_Base):
             (edges, or a number of equal buckets over ``seq_length``; see :mod:`.positions`).
     """
 
+    nonfinite_loss_state: ClassVar[Optional[str]] = None
+    """The sum state counting the non-finite losses the metric left out (a loss metric's), read by
+    :meth:`nonfinite_loss_count`; None: the metric takes no loss."""
     call_keywords: ClassVar[tuple[str, ...]] = ()
     """The ``accumulate`` keywords the metric reads (per-call values): their near misses warn (see
     :mod:`..inputs.keywords`)."""
@@ -415,6 +418,14 @@ class Metric(_Base):
     def counts_here(self) -> bool:
         """Whether this rank's states count in the global reduction (see :meth:`ParallelContext.counts_here`)."""
         return self.every_rank_counts or self.context.counts_here(bool(self.cp_gathered))
+
+    def nonfinite_loss_count(self) -> Optional[torch.Tensor]:
+        """The non-finite losses this rank counted since the last reset (the ``nonfinite_loss_state``; a device
+        tensor, nothing read on the host), or None for a metric that takes no loss. The tracker compares it step by
+        step to count the steps with a non-finite loss."""
+        if self.nonfinite_loss_state is None:
+            return None
+        return self.sync_states()[self.nonfinite_loss_state].detach().clone()
 
     def sync_states(self) -> dict[str, torch.Tensor]:
         """The states this rank contributes: its own, or identities if its data does not count."""
