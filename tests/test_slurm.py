@@ -266,7 +266,9 @@ def test_dry_run_refuses_unknown_and_uninstalled_backends(tmp_path):
     planted.mkdir()
     (planted / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
     python_path = os.pathsep.join(filter(None, [str(planted), os.environ.get("PYTHONPATH")]))
-    refused = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", BACKENDS="stdout wandbb wandb", PYTHONPATH=python_path)
+    # A real interpreter, not the fork server's: a sitecustomize runs only when an interpreter starts.
+    refused = _dry_run(tmp_path, NODES="1", GPUS_PER_NODE="4", BACKENDS="stdout wandbb wandb", PYTHONPATH=python_path,
+                       PYTHON=sys.executable)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert refused.stderr.splitlines()[-1] == (
         "launch.py: error: examples/train_gpt.py refuses its flags for 4 ranks: train_gpt.py: error: --backends "

@@ -3,7 +3,7 @@
 A log step is *flagged* when its record (the same on every rank: it comes from
 the one sync) has ``train/loss_spike`` = 1, a non-finite loss or gradient norm
 in the interval (``train/nonfinite_loss_steps``: a non-finite loss given to
-``end_step`` or counted by a ``LossMetric``; ``train/nonfinite_grad_norm_steps``)
+``end_step`` or counted by a loss metric such as ``LossMetric``; ``train/nonfinite_grad_norm_steps``)
 or a non-finite per-layer norm. Every rank therefore knows of the flag without
 any communication; a flagged step then costs ONE all-gather (the top-k samples
 of :class:`~twinkle_megatron.metric.SampleLosses`, when the tracker has one) and
