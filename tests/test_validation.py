@@ -27,6 +27,7 @@ from kit.megatron_gpt import (
     run_forward_backward,
 )
 
+from twinkle_megatron import Accuracy, LossMetric, ParallelContext
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.megatron.validation import is_evaluation
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
@@ -149,3 +150,17 @@ def test_with_a_model_given_an_evaluation_pass_feeds_calculate_as_before():
     metrics = instrument(torch.nn.Linear(2, 2))
     assert metrics.validation is None
     assert metrics.calculate_validation() == {} and metrics.pretrain_hooks() == {}
+
+
+def _instrument_with_resolved_contexts() -> bool:
+    context = ParallelContext.from_megatron()  # metrics given a context resolve it at construction
+    metrics = [LossMetric(device_mesh=context), Accuracy(device_mesh=context, vocab_size=TRUE_VOCAB)]
+    instrumented = instrument(metrics=metrics)
+    copies = instrumented.validation.metrics.metrics
+    return all(copy is not metric and copy.context is metric.context for copy, metric in zip(copies, metrics))
+
+
+def test_the_validation_copy_shares_the_metrics_process_groups():
+    """Metrics built with a resolved context (process groups cannot be copied) get a validation copy that reduces
+    over the same groups."""
+    assert all(run_distributed(_instrument_with_resolved_contexts, layout=Layout(tp=2), timeout=TIMEOUT))

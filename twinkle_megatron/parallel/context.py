@@ -46,6 +46,12 @@ class ParallelContext:
     reduce_group: ProcessGroup = None
     distributed: bool = False
 
+    def __deepcopy__(self, memo: dict) -> ParallelContext:
+        """The same context: a copy of a metric (``instrument()``'s validation copy) sits on the same ranks and
+        reduces over the same process groups, which cannot be copied (nor should be: groups are made together,
+        once, by every rank)."""
+        return self
+
     # ------------------------------------------------------------------ queries
 
     def counts_here(self, cp_gathered: bool = False) -> bool:
