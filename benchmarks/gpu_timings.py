@@ -38,6 +38,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from twinkle_megatron.cli import positive_int, positive_ints
 from twinkle_megatron.ops.kernel_check import time_methods
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,27 +113,10 @@ def gbs(bytes_per_second: float) -> str:
     return f"{bytes_per_second / 1e9:,.0f} GB/s"
 
 
-def parse_vocab_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--vocab takes comma-separated integers, got {text!r}") from error
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--vocab takes positive integers, got {text!r}")
-    return values
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens of the bandwidth shards")
-    parser.add_argument("--vocab", type=parse_vocab_list, default=[32768, 65536, 131072],
+    parser.add_argument("--vocab", type=positive_ints, default=[32768, 65536, 131072],
                         help="comma-separated local vocabulary sizes (bf16)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per method")
     parser.add_argument("--skip-train", action="store_true", help="do not run the training sections")

@@ -150,10 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "vocabulary size; then this device's entry in the record that lets kernel='auto' use the kernel "
         "(twinkle_megatron/ops/kernel_check.py). Exit status 1 when the check did not pass; without CUDA it says so "
         "and exits 0.", run=None)
-    kernel_check.add_argument("--tokens", type=_positive_int, default=8192, help="tokens per check (default: 8192)")
-    kernel_check.add_argument("--vocab", type=_positive_ints, default=[32768, 65536, 131072], metavar="V,V,...",
+    kernel_check.add_argument("--tokens", type=positive_int, default=8192, help="tokens per check (default: 8192)")
+    kernel_check.add_argument("--vocab", type=positive_ints, default=[32768, 65536, 131072], metavar="V,V,...",
                               help="local vocabulary sizes, bf16 (default: 32768,65536,131072)")
-    kernel_check.add_argument("--repeats", type=_positive_int, default=10, help="timed calls per path (default: 10)")
+    kernel_check.add_argument("--repeats", type=positive_int, default=10, help="timed calls per path (default: 10)")
     record = kernel_check.add_mutually_exclusive_group()
     record.add_argument("--record", metavar="PATH", default=None,
                         help="the record to update (default: $TWINKLE_MEGATRON_KERNEL_RECORD, else the package's "
@@ -172,18 +172,20 @@ def _command(commands: Any, name: str, help_text: str, description: str,
     return parser
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (the benchmarks' command lines use it too)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
 
 
-def _positive_ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (``32768,65536``)."""
     values = [value for value in text.split(",") if value.strip()]
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return [_positive_int(value) for value in values]
+    return [positive_int(value) for value in values]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
