@@ -369,3 +369,21 @@ def test_an_embedding_metrics_nonfinite_loss_flags_the_step(capsys):
     tracker.close()
     assert flags == {1: 0, 2: 1}
     assert "[incident] step 2: nonfinite_loss" in capsys.readouterr().out
+
+
+def test_a_nan_microbatch_report_beside_per_token_losses_keeps_the_finer_loss():
+    """Megatron's reports given to end_step and a LossMetric fed the per-token losses of the same microbatches:
+    a NaN report drops its whole microbatch from end_step's loss while the metric keeps the microbatch's healthy
+    tokens. The record's loss is the metric's (not a clash); with finite reports the two agree exactly."""
+    tokens = [torch.tensor([[1.0, 5.0]], dtype=torch.float64), torch.tensor([[2.0, float("nan")]], dtype=torch.float64)]
+    labels = {"labels": torch.tensor([[1, 2]])}
+    metric = LossMetric()
+    tracker = MetricsTracker(config=TrackerConfig(log_interval=1, backends=()), metrics=[metric])
+    reports = [{"lm loss": torch.tensor([t.nansum().item() if t.isfinite().all() else float("nan"), 2.0],
+                                        dtype=torch.float64)} for t in tokens]
+    metric.accumulate([labels, labels], {"loss": [r["lm loss"][0] for r in reports], "num_tokens": [2, 2],
+                                         "token_losses": tokens}, loss_reduction="sum")
+    record = tracker.end_step(1, loss=reports)
+    assert record["loss"] == pytest.approx((1.0 + 5.0 + 2.0) / 3)  # the healthy tokens, NaN microbatch's included
+    assert record["train/nonfinite_loss_steps"] == 1
+    tracker.close()

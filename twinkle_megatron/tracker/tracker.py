@@ -233,6 +233,11 @@ class MetricsTracker:
         reset_peak_memory()
         tracker_part = merge_results((type(m).__name__, r) for m, r in pieces if any(m is o for o in own))
         metrics_part = merge_results((type(m).__name__, r) for m, r in pieces if not any(m is o for o in own))
+        if keys.LOSS in tracker_part and keys.LOSS in metrics_part and tracker_part.get(keys.NONFINITE_LOSS_STEPS):
+            # A non-finite microbatch report: end_step's loss left that whole microbatch out, a loss metric fed
+            # per-token losses kept its healthy samples (their finite microbatches agree). The finer one is the
+            # record's, not a clash.
+            del tracker_part[keys.LOSS]
         # A value given to end_step and to a metric too must agree, or one would hide the other.
         record = merge_results([("MetricsTracker (end_step's values)", tracker_part),
                                 ("the tracker's metrics", metrics_part)])
