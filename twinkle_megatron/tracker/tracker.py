@@ -47,8 +47,8 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging import MetricsLogger, build_backend
-from ..megatron.layer_grads import LayerParameters
-from ..megatron.loss_reports import accumulate_loss_values, loss_values
+from .layer_parameters import LayerParameters
+from .loss_reports import accumulate_loss_values, loss_values
 from ..metric import Metric, MetricCollection, SampleLosses, calculate_each, calculate_metrics, merge_results
 from ..parallel import ParallelContext
 from .config import TrackerConfig
