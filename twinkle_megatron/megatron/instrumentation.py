@@ -47,11 +47,11 @@ import torch
 from .. import keys
 from ..metric import Metric, MetricCollection, Number, SampleLosses, check_layout_declared, logits_token_stats
 from ..parallel import ParallelContext
+from ..tracker.loss_reports import loss_func_result
 from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
 from .fused_loss import FusedLoss, check_fused_loss
 from .hook_failures import HookFailures, MetricHookError
 from .language_model import language_models, mtp_heads
-from ..tracker.loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
 from .microbatch_feed import microbatch_call, microbatch_feed, per_token_losses
 from .mistakes import LoopChecks

@@ -37,8 +37,8 @@ from typing import Any, Optional
 import torch
 
 from .. import keys
-from .layer_parameters import LayerParameters, loss_scale
 from ..metric import Metric, Number, SyncedStates
+from .layer_parameters import LayerParameters, loss_scale
 
 
 class LayerNorms(Metric):

@@ -47,14 +47,14 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging import MetricsLogger, build_backend
-from .layer_parameters import LayerParameters
-from .loss_reports import accumulate_loss_values, loss_values
 from ..metric import Metric, MetricCollection, SampleLosses, calculate_each, calculate_metrics, merge_results
 from ..parallel import ParallelContext
 from .config import TrackerConfig
 from .flops import flops_coefficients, num_floating_point_operations
 from .incidents import IncidentReporter
 from .layer_norms import LayerNorms
+from .layer_parameters import LayerParameters
+from .loss_reports import accumulate_loss_values, loss_values
 from .memory import reset_peak_memory
 from .peak import current_device_name, fp8_autocast_active, peak_tflops
 from .run_config import build_run_config
