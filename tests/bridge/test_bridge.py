@@ -18,7 +18,6 @@ import os
 
 import megatron.core
 import pytest
-from kit.megatron_bridge import BridgeUnavailable, ConfigContainer, GlobalState, ModelSettings, load_bridge
 from kit.megatron_gpt import GPTSpec, blended_batch, blended_reference, build_gpt_model, local_microbatches
 from megatron.core import parallel_state
 from packaging.version import Version
@@ -35,10 +34,13 @@ if ENABLED:
     if Version(megatron.core.__version__) < Version("0.18"):
         raise RuntimeError(f"Megatron-Bridge 0.6.2 needs megatron-core >= 0.18, got {megatron.core.__version__}: "
                            "run `make test-bridge`")
+    from kit.megatron_bridge import BridgeUnavailable, global_state, load_bridge
+
     try:
         BRIDGE = load_bridge()  # in the parent: the forked ranks inherit the imports
     except BridgeUnavailable as error:
         pytest.skip(str(error), allow_module_level=True)
+    from kit.bridge_config import ConfigContainer, ModelSettings
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 TRUE_VOCAB, GLOBAL_BATCH, MICRO_BATCH = 60, 8, 2
@@ -58,11 +60,12 @@ def reference() -> dict:
     return blended_reference(SPEC, TRUE_VOCAB, GROUPS, TIMEOUT)
 
 
-def _state() -> GlobalState:
+def _state():
+    """Bridge's own GlobalState (no loggers configured)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    return GlobalState(ConfigContainer(ModelSettings(vpp, seq_length=SPEC.max_sequence_length),
-                                       micro_batch_size=MICRO_BATCH,
-                                       data_parallel_size=parallel_state.get_data_parallel_world_size()))
+    return global_state(BRIDGE, ConfigContainer(ModelSettings(vpp, seq_length=SPEC.max_sequence_length),
+                                                micro_batch_size=MICRO_BATCH,
+                                                data_parallel_size=parallel_state.get_data_parallel_world_size()))
 
 
 def _wired_step(metrics, state):

@@ -9,8 +9,13 @@ imports, unmodified:
   its batch fetching (``get_batch``), context-parallel split and loss function;
 * ``megatron.bridge.training.losses``: ``masked_next_token_loss``;
 * ``megatron.bridge.training.utils.train_utils``: ``prepare_forward_step_func``
-  (the state injection);
-* ``megatron.bridge.training.train``: ``train_step``, which pools the loss reports.
+  (the state injection) and ``training_log`` (the console line and the loggers' values);
+* ``megatron.bridge.training.train``: ``train_step``, which pools the loss reports;
+* ``megatron.bridge.training.eval``: ``evaluate`` and ``evaluate_and_print_results``;
+* ``megatron.bridge.training.state``: ``GlobalState`` with its loggers (TensorBoard's
+  ``SummaryWriter``, W&B, MLflow, Comet, made on the last rank from the configuration);
+* ``megatron.bridge.training.callbacks``: ``CallbackManager`` and ``normalize_callbacks``;
+* ``megatron.bridge.training.utils.mlflow_utils``: the MLflow key sanitiser.
 
 Bridge needs megatron-core ≥ 0.18 (``make test-bridge`` puts 0.19.2 first on the
 path). What is stubbed is what these modules import and the tests never compute:
@@ -18,15 +23,15 @@ path). What is stubbed is what these modules import and the tests never compute:
 * the packages ``megatron.bridge`` and ``megatron.bridge.data`` are entered without
   running their ``__init__`` (it registers every Hugging Face model bridge and dataset
   builder: transformers, datasets...);
-* ``megatron.bridge.training.state`` / ``.config``: :class:`GlobalState` and
-  :class:`ConfigContainer` below hold exactly the fields ``gpt_step`` and ``train_step``
-  read (Bridge's own build the whole run: tokenizer, checkpointing, loggers);
+* ``megatron.bridge.training.config``: ``kit.bridge_config.ConfigContainer`` (Bridge's
+  own imports every model provider; the stand-in holds Megatron's own logger, training
+  and validation dataclasses with Bridge's added fields, and the fields read elsewhere);
 * placeholders (:class:`_Placeholder`: any attribute is a class that refuses to be
-  built) for heavy optional dependencies and for what only logs, checkpoints or
+  built) for heavy optional dependencies and for what only checkpoints or
   initialises: NVIDIA ModelOpt (distillation), Megatron-LM's ``megatron.training``
   (shipped in megatron-core's wheel, needs Python 3.12 and Megatron-LM's global
   arguments), ``tqdm``, Bridge's PEFT adapters (flop counting's ``isinstance``), its
-  MLflow utilities, checkpointing and initialisation.
+  checkpoint utilities (they import transformers), checkpointing and initialisation.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import subprocess
 import sys
 import types
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,7 +54,7 @@ CACHE = Path(__file__).resolve().parents[2] / ".cache" / "megatron-bridge" / BRI
 SHELL_PACKAGES = ("megatron.bridge", "megatron.bridge.data")
 # Placeholders: heavy optional dependencies, and what only logs, checkpoints or initialises.
 PLACEHOLDERS = ("modelopt", "megatron.training", "tqdm", "megatron.bridge.peft",
-                "megatron.bridge.training.utils.mlflow_utils", "megatron.bridge.training.checkpointing",
+                "megatron.bridge.training.utils.checkpoint_utils", "megatron.bridge.training.checkpointing",
                 "megatron.bridge.training.initialize")
 
 
@@ -78,52 +83,6 @@ def bridge_path() -> Path:
 
 
 # ------------------------------------------------------------------ the stubs
-
-
-@dataclass
-class ModelSettings:
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    pipeline_model_parallel_layout: Any = None
-    seq_length: int = 0
-
-
-@dataclass
-class ConfigContainer:
-    """Bridge's run configuration, reduced to the fields ``gpt_step`` and ``train_step`` read."""
-
-    model: ModelSettings = field(default_factory=ModelSettings)
-    micro_batch_size: int = 1
-    data_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        ns = types.SimpleNamespace
-        self.dataset = ns(skip_getting_attention_mask_from_dataset=True, dataloader_type="single",
-                          enable_offline_packing=False, enable_in_batch_packing=False)
-        self.rerun_state_machine = ns(check_for_nan_in_loss=True, check_for_spiky_loss=False)
-        self.train = ns(micro_batch_size=self.micro_batch_size, empty_unused_memory_level=0,
-                        check_optimizer_step_success=False, skip_sync_grad_norm_across_mp=True)
-        self.optimizer = ns(barrier_with_L1_time=False, log_num_zeros_in_grad=False,
-                            reuse_grad_buf_for_mxfp8_param_ag=False)
-        self.ddp = ns(overlap_param_gather=False)
-        self.dist = ns(use_decentralized_pg=True)  # no ModelOpt distillation shapes
-
-
-class GlobalState:
-    """Bridge's run state, reduced to what ``gpt_step`` and ``train_step`` use: the config, megatron-core's
-    own timers and straggler detector (both idle: nothing is timed)."""
-
-    def __init__(self, cfg: ConfigContainer) -> None:
-        from megatron.core.timers import Timers
-        from megatron.core.utils import StragglerDetector
-
-        self.cfg = cfg
-        self.timers = Timers(log_level=0, log_option="minmax")
-        self.straggler_timer = StragglerDetector()
-        self.train_state = types.SimpleNamespace(step=0, consumed_train_samples=0)
-
-
-class TrainState:
-    """Placeholder of Bridge's TrainState (imported by train_utils, never built here)."""
 
 
 class _Placeholder(types.ModuleType):
@@ -167,13 +126,14 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _state_modules() -> None:
-    for name, classes in {"megatron.bridge.training.state": (GlobalState, TrainState),
-                          "megatron.bridge.training.config": (ConfigContainer,)}.items():
-        module = _Placeholder(name)
-        for cls in classes:
-            setattr(module, cls.__name__, cls)
-        sys.modules[name] = module
+def _config_module() -> None:
+    """Bridge's ``training.config``: the stand-in of ``kit.bridge_config`` (see its docstring); any other name it
+    is asked for (``NVRxStragglerDetectionConfig``...) is a placeholder class."""
+    from kit.bridge_config import ConfigContainer  # megatron-core >= 0.18 only: imported once Bridge is loaded
+
+    module = _Placeholder("megatron.bridge.training.config")
+    module.ConfigContainer = ConfigContainer
+    sys.modules[module.__name__] = module
 
 
 @dataclass(frozen=True)
@@ -184,6 +144,9 @@ class Bridge:
     losses: types.ModuleType
     train_utils: types.ModuleType
     train: types.ModuleType
+    eval: types.ModuleType
+    state: types.ModuleType
+    callbacks: types.ModuleType
 
 
 def load_bridge() -> Bridge:
@@ -193,7 +156,17 @@ def load_bridge() -> Bridge:
         sys.path.append(str(path))
     if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _StubFinder())
-        _state_modules()
+        _config_module()
     load = importlib.import_module
-    return Bridge(load("megatron.bridge.training.gpt_step"), load("megatron.bridge.training.losses"),
-                  load("megatron.bridge.training.utils.train_utils"), load("megatron.bridge.training.train"))
+    training = "megatron.bridge.training"
+    return Bridge(*(load(f"{training}.{name}") for name in ("gpt_step", "losses", "utils.train_utils", "train",
+                                                            "eval", "state", "callbacks")))
+
+
+def global_state(bridge: Bridge, cfg: Any) -> Any:
+    """Bridge's own ``GlobalState`` holding ``cfg`` (a ``kit.bridge_config.ConfigContainer``): its loggers
+    (``tensorboard_logger``, ``wandb_logger``, ``mlflow_logger``, ``comet_logger``) are made on the last rank
+    from ``cfg.logger``, as in a Bridge run."""
+    state = bridge.state.GlobalState()
+    state.cfg = cfg
+    return state
