@@ -100,14 +100,15 @@ $(TWINKLE_STAMP): setup.py tests/twinkle-constraints.txt
 test-twinkle: $(TWINKLE_STAMP)
 	$(TWINKLE_PY) -m pytest tests/test_twinkle_integration.py tests/test_twinkle_docs.py tests/test_user_metrics.py
 
-# Megatron-Bridge 0.6.2's own training code as the caller (its gpt_step, state injection and train_step, tests/bridge):
-# the tests download its wheel into .cache/ (pip download --no-deps) and import it behind the smallest stubs. Bridge
-# needs megatron-core >= 0.18: 0.19.2 is installed without dependencies into a folder of its own, put first on
-# PYTHONPATH (its metadata asks for Python >= 3.12, its code runs on 3.11), with Triton, which it imports.
+# Megatron-Bridge 0.6.2's own training code as the caller (its gpt_step, state injection, train_step, training_log,
+# evaluation and GlobalState with its loggers, tests/bridge): the tests download its wheel into .cache/ (pip download
+# --no-deps) and import it behind the smallest stubs. Bridge needs megatron-core >= 0.18: 0.19.2 is installed without
+# dependencies into a folder of its own, put first on PYTHONPATH (its metadata asks for Python >= 3.12, its code runs
+# on 3.11), with Triton, which it imports. The logging packages (test-backends' install) are Bridge's loggers.
 BRIDGE_MCORE ?= 0.19.2
 BRIDGE_MCORE_DIR := .mcore/bridge-$(BRIDGE_MCORE)
 
-test-bridge: triton $(BRIDGE_MCORE_DIR)/.installed
+test-bridge: $(BACKENDS_STAMP) triton $(BRIDGE_MCORE_DIR)/.installed
 	TWINKLE_BRIDGE_TEST=1 PYTHONPATH=$(abspath $(BRIDGE_MCORE_DIR)) $(PY) -m pytest tests/bridge
 
 $(BRIDGE_MCORE_DIR)/.installed: $(STAMP)
