@@ -445,6 +445,12 @@ class MegatronInstrumentation:
         the evaluation's iteration (:meth:`.Validation.pretrain_hooks`); ``{}`` without ``loss_reports``."""
         return {} if self.validation is None else self.validation.pretrain_hooks()
 
+    def bridge_callbacks(self) -> list:
+        """For Megatron-Bridge's ``pretrain(config, metrics.wrap(forward_step), callbacks=metrics.bridge_callbacks())``:
+        at the end of each evaluation the validation values are calculated on every rank and written to Bridge's
+        loggers at its iteration (:class:`.validation.BridgeValidation`); ``[]`` without ``loss_reports``."""
+        return [] if self.validation is None else self.validation.bridge_callbacks()
+
     def detach(self) -> None:
         """Remove every hook of ours from the model."""
         for handle in self._handles:
