@@ -257,7 +257,8 @@ def _options(mistake: str) -> dict:
 
     return {"labels outside vocab_size": dict(vocab_size=20),
             "group_names without dataset_id": dict(vocab_size=TRUE_VOCAB, group_names=GROUPS),
-            "position_buckets": dict(vocab_size=TRUE_VOCAB, position_buckets=[0, 4, 8]),
+            # A metric passed in with its own buckets (the defaults' buckets go through Megatron's step end).
+            "position_buckets": dict(metrics=[LossMetric(position_buckets=[0, 4, 8])]),
             "metrics the reports cannot carry": dict(metrics=[LossMetric(), GRPOMetric()]),
             "none": dict(vocab_size=TRUE_VOCAB, group_names=GROUPS)}[mistake]
 

@@ -119,6 +119,7 @@ class MegatronInstrumentation:
                  loss_reports: Optional[bool] = None, position_buckets: Any = None,
                  seq_length: Optional[int] = None, fused_loss: bool = False, layer_norms: bool = False,
                  incidents: bool = False) -> None:
+        metrics_given = metrics is not None
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names, position_buckets, seq_length)
         self._failures = HookFailures()
@@ -151,7 +152,10 @@ class MegatronInstrumentation:
                              "no model given, loss reports on); in a loop you own use MetricsTracker "
                              "(record_grad_norms, SampleLosses)")
         self._moe_wanted = moe_routing and model is None and self.step_health is None
-        self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key, user_metrics, model)
+        # The default metrics' keys all reach Megatron's log (position buckets through step_health.py); metrics
+        # passed in may have keys that cannot.
+        self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key,
+                                                   user_metrics if metrics_given else [], model)
         # Megatron's evaluate() would print a perplexity of every report key: its microbatches feed a copy of the
         # metrics instead, and the reports keep the loss_func's own keys (validation.py).
         self.validation = Validation(user_metrics) if self.reports is not None else None
