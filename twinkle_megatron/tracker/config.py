@@ -67,7 +67,14 @@ class TrackerConfig:
 
     writer_rank: int = 0
     """The global rank that writes (every rank gets the same record)."""
+    incidents_dir: Optional[str] = None
+    """Where ``incidents.jsonl`` goes (``tracker/incidents.py``); default: ``log_dir`` with the ``jsonl`` backend,
+    else no file (the console line only)."""
 
+    device_memory: bool = True
+    """Read this rank's device memory at each log step (``memory/*``) and start the next interval's peaks there
+    (``torch.cuda.reset_peak_memory_stats``). False inside a loop that reports the peaks itself (Megatron's own:
+    resetting them would change its numbers)."""
     ignore_index: int = -100
     """Label value of padding, when tokens are counted from ``labels``."""
 

@@ -119,8 +119,8 @@ class MetricsTracker:
         self._layer_norms: Optional[LayerNorms] = None  # opt-in: record_grad_norms
         self._samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
         self._metric_losses = NonfiniteLossCounts(self.user_metrics)  # a LossMetric's non-finite losses, per step
-        self.incidents = IncidentReporter(self._samples, config.log_dir if "jsonl" in config.backends else None,
-                                          config.writer_rank)
+        incidents_dir = config.incidents_dir or (config.log_dir if "jsonl" in config.backends else None)
+        self.incidents = IncidentReporter(self._samples, incidents_dir, config.writer_rank)
         if dist.is_available() and dist.is_initialized():
             self._states()  # resolve the layout now, while every rank builds its tracker together
 
@@ -230,7 +230,8 @@ class MetricsTracker:
         health = [self._layer_norms] if self._layer_norms is not None else []
         pieces = calculate_each([*self.user_metrics, *health, *own])  # the one sync; each metric's own results
         self._metric_losses.reset()  # the synced metrics were reset: their counts start again at 0
-        reset_peak_memory()
+        if self.config.device_memory:
+            reset_peak_memory()
         tracker_part = merge_results((type(m).__name__, r) for m, r in pieces if any(m is o for o in own))
         metrics_part = merge_results((type(m).__name__, r) for m, r in pieces if not any(m is o for o in own))
         if keys.LOSS in tracker_part and keys.LOSS in metrics_part and tracker_part.get(keys.NONFINITE_LOSS_STEPS):
@@ -358,7 +359,7 @@ class MetricsTracker:
                                     self.device_mesh, self.process_group)
             throughput.restart(self.consumed_tokens)
             self._own = (StepLoss(self.device_mesh, self.process_group),
-                         RankStates(self.device_mesh, self.process_group), throughput)
+                         RankStates(self.device_mesh, self.process_group, self.config.device_memory), throughput)
         return self._own
 
     def _note_precision(self) -> None:
