@@ -29,17 +29,23 @@ import io
 import math
 import os
 import re
+from dataclasses import dataclass
 
 import megatron.core
 import pytest
-from kit.megatron_gpt import GPTSpec, blended_batch, local_microbatches, reference_metrics
-from kit.megatron_training import build_trained_gpt
+import torch
+from kit.megatron_gpt import GPTSpec, blended_batch, canonical_names, local_microbatches, reference_metrics
+from kit.megatron_moe import MoESpec, init_parallel
+from kit.megatron_training import build_trained_gpt, train_forward_backward
 from megatron.core import parallel_state
 from packaging.version import Version
 
+from twinkle_megatron import keys
+from twinkle_megatron.logging.mlflow_names import mlflow_key
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.tracker.incidents import load_incidents, read_skip_list
 
 ENABLED = os.environ.get("TWINKLE_BRIDGE_TEST") == "1"
 pytestmark = pytest.mark.skipif(not ENABLED, reason="Megatron-Bridge's own code (needs megatron-core >= 0.18): "
@@ -56,10 +62,12 @@ if ENABLED:
     except BridgeUnavailable as error:
         pytest.skip(str(error), allow_module_level=True)
     from kit.bridge_config import ConfigContainer, LoggerConfig, ModelSettings, ValidationConfig
-    from kit.bridge_loop import train
+    from kit.bridge_loop import configure_model_like_bridge, train
     from kit.logger_readers import mlflow_metrics, tensorboard_scalars, wandb_history
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
+MOE_SPEC = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8,
+                   add_bias_linear=False)  # megatron-core's expert MLP cannot add a bias (kit.megatron_moe)
 TRUE_VOCAB, GLOBAL_BATCH, MICRO_BATCH = 60, 8, 2
 GROUPS = ("web", "code", "math")
 ITERATIONS, EVAL_INTERVAL = 3, 2
@@ -69,7 +77,32 @@ RTOL = 1e-5
 STATISTICS = ("accuracy", "logprob", "entropy")
 LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # logger: its package
 EXPERIMENT = "bridge-test"
-LAYOUTS = [Layout(tp=2, cp=2), Layout(pp=2, dp=2, vpp=2)]
+# The planted bad sample: at iteration PLANTED_ITERATION, sample PLANTED_POSITION of the global batch holds token
+# PLANT_TOKEN (outside the true vocabulary: no other sample has it), whose embedding row turns non-finite just
+# before that step, so that sample's loss and every gradient are NaN. Its global index in Megatron's sampler
+# order: the samples of the earlier steps, then its position.
+PLANTED_ITERATION, PLANTED_POSITION, PLANT_TOKEN = 3, 5, 62
+PLANTED_INDEX = (PLANTED_ITERATION - 1) * GLOBAL_BATCH + PLANTED_POSITION
+HEALTHY = range(1, PLANTED_ITERATION)  # the iterations before the planted one
+MOE = MoESpec()  # 4 experts, top-2, Megatron's aux loss and z-loss
+
+
+@dataclass(frozen=True)
+class Run:
+    """One Bridge run: its layout (EP by ``init_parallel`` inside the ranks) and model."""
+
+    name: str
+    layout: Layout
+    ep: int = 1
+    moe: bool = False
+
+    @property
+    def spec(self) -> GPTSpec:
+        return MOE_SPEC if self.moe else SPEC
+
+
+DENSE = [Run("tp2-cp2", Layout(tp=2, cp=2)), Run("pp2-vpp2-dp2", Layout(pp=2, dp=2, vpp=2))]
+MOE_RUN = Run("dp2-ep2-moe", Layout(dp=2), ep=2, moe=True)
 
 
 def _installed(package: str) -> bool:
@@ -77,20 +110,48 @@ def _installed(package: str) -> bool:
 
 
 def _train_batch(iteration: int) -> dict:
-    """Iteration ``iteration``'s global batch (a ``dataset_id`` per sample, as megatron-core's BlendedDataset)."""
-    return blended_batch(SPEC, TRUE_VOCAB, GLOBAL_BATCH, seed=iteration)
+    """Iteration ``iteration``'s global batch (a ``dataset_id`` per sample, as megatron-core's BlendedDataset),
+    the planted sample's token in it at the planted iteration."""
+    batch = blended_batch(SPEC, TRUE_VOCAB, GLOBAL_BATCH, seed=iteration)
+    if iteration == PLANTED_ITERATION:
+        batch["tokens"][PLANTED_POSITION, 3] = PLANT_TOKEN
+    return batch
 
 
 def _eval_batch() -> dict:
     return blended_batch(SPEC, TRUE_VOCAB, GLOBAL_BATCH, seed=EVAL_SEED)
 
 
+def _part(canonical: str) -> str:
+    """The step-health part of a parameter (docs/step-health.md)."""
+    layer = re.match(r"decoder\.layers\.(\d+)\.", canonical)
+    if layer:
+        return keys.layer_part(int(layer.group(1)), SPEC.num_layers)
+    for prefix, part in (("embedding.", "embedding"), ("output_layer.", "output_layer"),
+                         ("decoder.final_layernorm.", "final_norm")):
+        if canonical.startswith(prefix):
+            return part
+    raise AssertionError(f"no part for {canonical}")
+
+
 def _reference_worker() -> dict:
-    """World 1, float64: the metrics of every iteration's batch and of the evaluation batch."""
+    """World 1, float64: the metrics of every iteration's batch and of the evaluation batch, and each part's
+    gradient and parameter norm on the healthy iterations (Megatron's DDP and finalize, the reduced gradients)."""
     with cpu_cuda_shim():
-        return {"train": {i: reference_metrics(SPEC, _train_batch(i), TRUE_VOCAB, GROUPS)
-                          for i in range(1, ITERATIONS + 1)},
-                "eval": reference_metrics(SPEC, _eval_batch(), TRUE_VOCAB, GROUPS)}
+        chunks, _ = build_trained_gpt(SPEC, lr=0.0)
+        norms = {}
+        for iteration in HEALTHY:
+            train_forward_backward(chunks, _train_batch(iteration), micro_batch_size=MICRO_BATCH)
+            squares: dict[str, list[float]] = {}
+            for chunk in chunks:
+                names = canonical_names(chunk.module)
+                for name, param in chunk.module.named_parameters():
+                    entry = squares.setdefault(_part(names[name]), [0.0, 0.0])
+                    entry[0] += float(param.main_grad.double().square().sum())
+                    entry[1] += float(param.detach().double().square().sum())
+            norms[iteration] = {part: (math.sqrt(g), math.sqrt(p)) for part, (g, p) in squares.items()}
+        return {"train": {i: reference_metrics(SPEC, _train_batch(i), TRUE_VOCAB, GROUPS) for i in HEALTHY},
+                "eval": reference_metrics(SPEC, _eval_batch(), TRUE_VOCAB, GROUPS), "norms": norms}
 
 
 @functools.cache
@@ -111,6 +172,11 @@ def _logger_config(directory: str) -> LoggerConfig:
         mlflow_tracking_uri=f"sqlite:///{directory}/mlflow.db")
 
 
+def _run_dir(directory: str) -> str:
+    """Where incidents.jsonl goes: Bridge's TensorBoard directory, else its checkpoint directory."""
+    return os.path.join(directory, "tb" if _installed("tensorboard") else "checkpoints")
+
+
 def _close_loggers(state) -> None:
     """What Bridge's run end does to its loggers (their files complete for the readers)."""
     if state.tensorboard_logger is not None:
@@ -129,45 +195,103 @@ def _scheduler(optimizer):
                                    wd_incr_steps=ITERATIONS, wd_incr_style="constant")
 
 
-def _run_worker(directory: str) -> dict:
+def _callbacks(model: list, moe: bool) -> list:
+    """The user's callbacks: the plugin's validation callback, and the test's own (Bridge's ``Callback``): the
+    planted corruption (dense runs), the routers' own maps (MoE run)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class PlantCorruptRow(BRIDGE.callbacks.Callback):
+        """Just before the planted iteration, the planted token's embedding row (on the TP rank holding it)
+        becomes non-finite: the one sample holding that token gets NaN activations, loss and gradients."""
+
+        def on_train_step_start(self, context) -> None:
+            if context.state.train_state.step + 1 != PLANTED_ITERATION:
+                return
+            for chunk in model:
+                embedding = getattr(chunk.module, "embedding", None)
+                if embedding is None:
+                    continue
+                table = embedding.word_embeddings
+                if table.vocab_start_index <= PLANT_TOKEN < table.vocab_end_index:
+                    with torch.no_grad():
+                        table.weight[PLANT_TOKEN - table.vocab_start_index] = math.inf
+
+    class RouterMaps(BRIDGE.callbacks.Callback):
+        """Each training step's routing maps as megatron-core's routers return them (forward hooks; evaluation
+        left out), per global layer: ``[tokens routed to each expert], tokens``, cut at ``on_train_step_end``."""
+
+        def __init__(self) -> None:
+            self.current: dict = {}
+            self.steps: dict = {}
+            for chunk in model:
+                for module in chunk.modules():
+                    if isinstance(module, TopKRouter):
+                        module.register_forward_hook(self._record)
+
+        def _record(self, router, args, output) -> None:
+            if not torch.is_grad_enabled():
+                return
+            routing_map = output[1]
+            counts, tokens = self.current.get(router.layer_number - 1, (0, 0))
+            self.current[router.layer_number - 1] = (routing_map.sum(0).double() + counts,
+                                                     tokens + routing_map.shape[0])
+
+        def on_train_step_end(self, context) -> None:
+            self.steps[context.state.train_state.step + 1] = {
+                layer: (counts.tolist(), tokens) for layer, (counts, tokens) in self.current.items()}
+            self.current = {}
+
+    return [RouterMaps()] if moe else [PlantCorruptRow()]
+
+
+def _run_worker(run: Run, directory: str) -> dict:
     """One Bridge run on this rank (see the module docstring); the last rank's console output comes back."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
+    if run.ep > 1:
+        init_parallel(ep=run.ep)
     with cpu_cuda_shim():
-        model, optimizer = build_trained_gpt(SPEC, lr=0.0)
+        model, optimizer = build_trained_gpt(run.spec, lr=0.0, moe=MOE if run.moe else None)
+        configure_model_like_bridge(model, optimizer)
         dp = parallel_state.get_data_parallel_world_size()
         init_num_microbatches_calculator(0, None, GLOBAL_BATCH, MICRO_BATCH, dp)
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        cfg = ConfigContainer(ModelSettings(vpp, seq_length=SPEC.max_sequence_length), micro_batch_size=MICRO_BATCH,
-                              data_parallel_size=dp, logger=_logger_config(directory), train_iters=ITERATIONS,
+        model_settings = ModelSettings(vpp, seq_length=SPEC.max_sequence_length, num_layers=run.spec.num_layers,
+                                       num_moe_experts=MOE.num_experts if run.moe else None,
+                                       moe_z_loss_coeff=MOE.z_loss_coeff if run.moe else None)
+        cfg = ConfigContainer(model_settings, micro_batch_size=MICRO_BATCH, data_parallel_size=dp,
+                              logger=_logger_config(directory), train_iters=ITERATIONS,
+                              checkpoint_save=os.path.join(directory, "checkpoints"),
                               validation=ValidationConfig(eval_iters=1, eval_interval=EVAL_INTERVAL,
                                                           eval_global_batch_size=GLOBAL_BATCH,
                                                           eval_micro_batch_size=MICRO_BATCH))
+        cfg.rerun_state_machine.check_for_nan_in_loss = False  # else Bridge's loss raises on the planted NaN
         state = global_state(BRIDGE, cfg)
-        metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS)
+        metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS, layer_norms=True, incidents=True)
+        own = _callbacks(model, run.moe)
         train_data = iter([micro for i in range(1, ITERATIONS + 1)
                            for micro in local_microbatches(_train_batch(i), MICRO_BATCH, cp_size=1, cp_rank=0)])
         valid_data = iter(local_microbatches(_eval_batch(), MICRO_BATCH, cp_size=1, cp_rank=0))
         console = io.StringIO()
         with contextlib.redirect_stdout(console):
             result = train(BRIDGE, state, metrics.wrap(BRIDGE.gpt_step.forward_step), model, optimizer,
-                           _scheduler(optimizer), train_data, ITERATIONS, valid_data=valid_data)
-        validation = metrics.calculate_validation()
+                           _scheduler(optimizer), train_data, ITERATIONS, valid_data=valid_data,
+                           callbacks=metrics.bridge_callbacks() + own)
         _close_loggers(state)
     return {"loss_dicts": result.loss_dicts, "grad_norms": result.grad_norms, "validations": result.validations,
-            "validation": validation, "console": console.getvalue()}
+            "console": console.getvalue(), "routing": own[0].steps if run.moe else None}
 
 
 _RUNS: dict = {}
 
 
-def bridge_run(layout: Layout, tmp_path_factory) -> dict:
-    """The layout's run (once per session): every rank's results and the directory its loggers wrote."""
-    if layout not in _RUNS:
-        directory = str(tmp_path_factory.mktemp(f"bridge-{layout}".replace(" ", "")))
-        per_rank = run_distributed(_run_worker, layout=layout, args=(directory,), timeout=TIMEOUT)
-        _RUNS[layout] = {"ranks": per_rank, "directory": directory}
-    return _RUNS[layout]
+def bridge_run(run: Run, tmp_path_factory) -> dict:
+    """The run's results (once per session): every rank's, and the directory its loggers wrote."""
+    if run.name not in _RUNS:
+        directory = str(tmp_path_factory.mktemp(f"bridge-{run.name}"))
+        per_rank = run_distributed(_run_worker, layout=run.layout, args=(run, directory), timeout=TIMEOUT)
+        _RUNS[run.name] = {"ranks": per_rank, "directory": directory, "last": per_rank[-1]}
+    return _RUNS[run.name]
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +303,21 @@ def _offline_loggers(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     for name in ("WANDB_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
         monkeypatch.delenv(name, raising=False)
+
+
+def _read(logger: str, directory: str) -> dict:
+    """What ``logger`` holds, by the plugin's key names (MLflow's: ``mlflow_key`` of each)."""
+    if not _installed(LOGGERS[logger]):
+        pytest.skip(f"{LOGGERS[logger]} is not installed (make test-backends installs it)")
+    if logger == "tensorboard":
+        return tensorboard_scalars(os.path.join(directory, "tb"))
+    if logger == "wandb":
+        return wandb_history(directory)
+    return mlflow_metrics(f"sqlite:///{directory}/mlflow.db", EXPERIMENT)
+
+
+def _key(logger: str, key: str) -> str:
+    return mlflow_key(key) if logger == "mlflow" else key
 
 
 def _expected_reports(iteration: int) -> dict[str, float]:
@@ -193,76 +332,146 @@ def _expected_reports(iteration: int) -> dict[str, float]:
     return expected
 
 
-def _read(logger: str, directory: str) -> dict:
-    if logger == "tensorboard":
-        return tensorboard_scalars(os.path.join(directory, "tb"))
-    if logger == "wandb":
-        return wandb_history(directory)
-    return mlflow_metrics(f"sqlite:///{directory}/mlflow.db", EXPERIMENT)
+def _no_perplexity_but_the_loss(written: dict) -> None:
+    assert not [key for key in written if "ppl" in key.lower() and not key.startswith(("lm loss", "val/lm loss"))]
 
 
-def _last_rank(run: dict) -> dict:
-    return run["ranks"][-1]
+# ------------------------------------------------------------------ what the loss reports carry
 
 
 @pytest.mark.parametrize("logger", sorted(LOGGERS))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_training_log_writes_the_reports_at_their_iteration(layout, logger, tmp_path_factory):
-    if not _installed(LOGGERS[logger]):
-        pytest.skip(f"{LOGGERS[logger]} is not installed (make test-backends installs it)")
-    run = bridge_run(layout, tmp_path_factory)
-    written = _read(logger, run["directory"])
-    grad_norms = _last_rank(run)["grad_norms"]
-    for iteration in range(1, ITERATIONS + 1):
-        assert _last_rank(run)["loss_dicts"][iteration] == pytest.approx(_expected_reports(iteration), rel=RTOL)
+@pytest.mark.parametrize("run", DENSE, ids=lambda run: run.name)
+def test_training_log_writes_the_reports_at_their_iteration(run, logger, tmp_path_factory):
+    result = bridge_run(run, tmp_path_factory)
+    written = _read(logger, result["directory"])
+    for iteration in HEALTHY:
+        assert result["last"]["loss_dicts"][iteration] == pytest.approx(_expected_reports(iteration), rel=RTOL)
         for key, value in _expected_reports(iteration).items():
             assert written[key][iteration] == pytest.approx(value, rel=RTOL), (key, iteration)
-        assert written["grad-norm"][iteration] == pytest.approx(grad_norms[iteration], rel=RTOL)
-    assert not [key for key in written if "ppl" in key.lower() and not key.startswith("lm loss")]
+    _no_perplexity_but_the_loss(written)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_the_console_line_prints_the_reports(layout, tmp_path_factory):
+@pytest.mark.parametrize("run", DENSE, ids=lambda run: run.name)
+def test_the_console_lines(run, tmp_path_factory):
     """Bridge's console line (last rank) at every iteration: each report with its value, Bridge's rule
-    (``avg >= 0``) leaving out the negative log-prob."""
-    console = _last_rank(bridge_run(layout, tmp_path_factory))["console"]
+    (``avg >= 0``) leaving out the negative log-prob; the plugin's step-health line after it; the incident line."""
+    console = bridge_run(run, tmp_path_factory)["last"]["console"]
     lines = [line for line in console.splitlines() if re.search(r" iteration +\d+/ +\d+ \|", line)]
     assert len(lines) == ITERATIONS
-    for iteration, line in enumerate(lines, start=1):
-        printed = dict(re.findall(r" ([^|:]+): ([-+.0-9E]+) \|", line))
+    for iteration in HEALTHY:
+        printed = dict(re.findall(r" ([^|:]+): ([-+.0-9E]+) \|", lines[iteration - 1]))
         for key, value in _expected_reports(iteration).items():
             if value >= 0:
                 assert float(printed[key]) == pytest.approx(value, rel=1e-6), (key, iteration)
             else:
                 assert key not in printed
+    for iteration in range(1, ITERATIONS + 1):
+        assert f" twinkle-megatron step health at iteration {iteration} | " in console
+    assert f"[incident] step {PLANTED_ITERATION}: " in console
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_evaluation_pools_only_the_loss_and_the_plugin_keeps_validation_values(layout, tmp_path_factory):
-    run = bridge_run(layout, tmp_path_factory)
-    want = reference()["eval"]
-    last = _last_rank(run)
-    assert last["validations"] == {EVAL_INTERVAL: pytest.approx({"lm loss": want["loss"]}, rel=RTOL)}
-    console = last["console"]
-    assert f"lm loss PPL: {math.exp(want['loss']):.6E}"[:-4] in console  # its value, to Bridge's 6 digits
-    assert "PPL" not in console.replace("lm loss PPL", "")
-    for rank in run["ranks"]:
-        validation = rank["validation"]
-        for key in STATISTICS:
-            assert validation[f"validation/{key}"] == pytest.approx(want[key], rel=RTOL), key
-            for group in GROUPS:
-                assert validation[f"validation/{key}/{group}"] == pytest.approx(want[f"{key}/{group}"], rel=RTOL)
+# ------------------------------------------------------------------ step health through Bridge's loop
 
 
 @pytest.mark.parametrize("logger", sorted(LOGGERS))
-def test_evaluation_writes_only_the_loss_to_the_loggers(logger, tmp_path_factory):
-    if not _installed(LOGGERS[logger]):
-        pytest.skip(f"{LOGGERS[logger]} is not installed (make test-backends installs it)")
-    run = bridge_run(LAYOUTS[0], tmp_path_factory)
-    written = _read(logger, run["directory"])
-    validation_keys = {key for key in written if "validation" in key or key.startswith("val/")}
-    want = reference()["eval"]["loss"]
-    expected_key = "val/lm loss" if logger == "mlflow" else "lm loss validation"
-    assert expected_key in validation_keys
-    assert written[expected_key] == {EVAL_INTERVAL: pytest.approx(want, rel=RTOL)}
-    assert validation_keys <= {expected_key, "lm loss validation vs samples"}
+@pytest.mark.parametrize("run", DENSE, ids=lambda run: run.name)
+def test_layer_norms_equal_the_reference_and_sum_to_bridges_grad_norm(run, logger, tmp_path_factory):
+    result = bridge_run(run, tmp_path_factory)
+    written = _read(logger, result["directory"])
+    for iteration in HEALTHY:
+        expected = reference()["norms"][iteration]
+        squares = 0.0
+        for part, (grad_norm, param_norm) in expected.items():
+            grad = written[_key(logger, keys.layer_grad_norm_key(part))][iteration]
+            assert grad == pytest.approx(grad_norm, rel=RTOL), (part, iteration)
+            param = written[_key(logger, keys.layer_param_norm_key(part))][iteration]
+            assert param == pytest.approx(param_norm, rel=RTOL), (part, iteration)
+            squares += grad ** 2
+        bridge_norm = written["grad-norm"][iteration]
+        assert bridge_norm == pytest.approx(result["last"]["grad_norms"][iteration], rel=RTOL)
+        assert written[_key(logger, keys.GRAD_NORM_TOTAL)][iteration] == pytest.approx(bridge_norm, rel=RTOL)
+        assert math.sqrt(squares) == pytest.approx(bridge_norm, rel=RTOL)
+        layers = [expected[keys.layer_part(i, SPEC.num_layers)][0] for i in range(SPEC.num_layers)]
+        worst = max(range(SPEC.num_layers), key=lambda i: layers[i])
+        assert written[_key(logger, keys.GRAD_NORM_LAYER_MAX_INDEX)][iteration] == worst
+        assert written[_key(logger, keys.GRAD_NORM_LAYER_MAX)][iteration] == pytest.approx(layers[worst], rel=RTOL)
+    assert not any("grad_norm/other" in key for key in written)
+
+
+@pytest.mark.parametrize("run", DENSE, ids=lambda run: run.name)
+def test_the_planted_sample_is_named_in_incidents_jsonl(run, tmp_path_factory):
+    result = bridge_run(run, tmp_path_factory)
+    run_dir = _run_dir(result["directory"])
+    incidents = load_incidents(run_dir)
+    assert [incident["step"] for incident in incidents] == [PLANTED_ITERATION]
+    (incident,) = incidents
+    top = incident["samples"][0]
+    assert (top["sample_index"], top["dataset"], top["step"]) == (
+        PLANTED_INDEX, GROUPS[_train_batch(PLANTED_ITERATION)["dataset_id"][PLANTED_POSITION]], PLANTED_ITERATION)
+    assert top["nonfinite_tokens"] > 0
+    assert all(sample["nonfinite_tokens"] == 0 for sample in incident["samples"][1:]), "one sample is bad"
+    assert read_skip_list(run_dir) == {PLANTED_INDEX}
+    assert math.isnan(result["last"]["loss_dicts"][PLANTED_ITERATION]["lm loss"])  # what Bridge logged
+
+
+# ------------------------------------------------------------------ validation through Bridge's evaluation
+
+
+@pytest.mark.parametrize("logger", sorted(LOGGERS))
+@pytest.mark.parametrize("run", DENSE, ids=lambda run: run.name)
+def test_validation_values_reach_the_loggers_and_only_the_loss_gets_a_perplexity(run, logger, tmp_path_factory):
+    """Bridge's evaluation pools only the loss_func's key (``lm loss``: its value, its perplexity, its logger
+    keys); the plugin's callback writes ``validation/<key>`` at Bridge's iteration, equal to the reference."""
+    result = bridge_run(run, tmp_path_factory)
+    want = reference()["eval"]
+    assert result["last"]["validations"] == {EVAL_INTERVAL: pytest.approx({"lm loss": want["loss"]}, rel=RTOL)}
+    written = _read(logger, result["directory"])
+    loss_key = "val/lm loss" if logger == "mlflow" else "lm loss validation"
+    assert written[loss_key] == {EVAL_INTERVAL: pytest.approx(want["loss"], rel=RTOL)}
+    plugin = {f"validation/{key}": want[key] for key in STATISTICS + ("loss",)}
+    plugin.update({f"validation/{key}/{group}": want[f"{key}/{group}"] for key in STATISTICS for group in GROUPS})
+    for key, value in plugin.items():
+        assert written[_key(logger, key)] == {EVAL_INTERVAL: pytest.approx(value, rel=RTOL)}, key
+    bridge_keys = {key for key in written if "validation" in key or key.startswith("val/")} - {
+        _key(logger, key) for key in plugin}
+    assert bridge_keys <= {loss_key, "lm loss validation vs samples"}
+    _no_perplexity_but_the_loss(written)
+    console = result["last"]["console"]
+    assert f"lm loss PPL: {math.exp(want['loss']):.6E}"[:-4] in console  # its value, to Bridge's 6 digits
+    assert "PPL" not in console.replace("lm loss PPL", "")
+    assert f" validation at iteration {EVAL_INTERVAL} | accuracy: " in console
+
+
+# ------------------------------------------------------------------ MoE routing through Bridge's loop
+
+
+def _routing_expectation(per_rank: list, iteration: int) -> dict[str, float]:
+    """docs/moe.md's keys from the routers' own maps of ``iteration``, summed over the ranks (DP×EP, TP1)."""
+    layers = sorted(per_rank[0][iteration])
+    loads, tokens = [], []
+    for layer in layers:
+        counts = torch.tensor([rank[iteration][layer][0] for rank in per_rank], dtype=torch.float64).sum(0)
+        loads.append(counts)
+        tokens.append(sum(rank[iteration][layer][1] for rank in per_rank))
+    balanced = [t * MOE.topk / MOE.num_experts for t in tokens]
+    utilization = [load / b for load, b in zip(loads, balanced)]
+    imbalance = [float(u.max()) for u in utilization]
+    return {"moe/layers": len(layers), "moe/tokens": sum(tokens) / len(layers),
+            "moe/utilization_min": min(float(u.min()) for u in utilization),
+            "moe/utilization_cv": sum(float(load.std(unbiased=False) / load.mean()) for load in loads) / len(layers),
+            "moe/dead_expert_fraction": sum(float((load == 0).double().mean()) for load in loads) / len(layers),
+            "moe/imbalance_mean": sum(imbalance) / len(layers), "moe/imbalance_max": max(imbalance),
+            "moe/imbalance_worst_layer": imbalance.index(max(imbalance))}
+
+
+@pytest.mark.parametrize("logger", sorted(LOGGERS))
+def test_moe_keys_equal_the_routers_own_maps(logger, tmp_path_factory):
+    result = bridge_run(MOE_RUN, tmp_path_factory)
+    written = _read(logger, result["directory"])
+    routing = [rank["routing"] for rank in result["ranks"]]
+    for iteration in range(1, ITERATIONS + 1):
+        for key, value in _routing_expectation(routing, iteration).items():
+            assert written[_key(logger, key)][iteration] == pytest.approx(value, rel=RTOL), (key, iteration)
+        bridge_norm = written["grad-norm"][iteration]
+        assert written[_key(logger, keys.GRAD_NORM_TOTAL)][iteration] == pytest.approx(bridge_norm, rel=RTOL)
+    assert not load_incidents(_run_dir(result["directory"]))

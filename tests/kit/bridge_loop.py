@@ -20,8 +20,10 @@ FLOPs (``floating_point_operations_so_far`` stays 0), checkpoints, the exit cond
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Iterator, Optional, Sequence
 
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -30,7 +32,17 @@ from megatron.core.utils import get_model_config
 
 from kit.megatron_bridge import Bridge
 
-__all__ = ["TrainResult", "learning_rates", "train"]
+__all__ = ["TrainResult", "configure_model_like_bridge", "learning_rates", "train"]
+
+
+def configure_model_like_bridge(model: Sequence[Any], optimizer: Any) -> None:
+    """What Bridge's ``setup()`` sets on the model config once the model and optimizer exist
+    (``setup.py: _update_model_config_funcs``, without overlapped communication): Megatron's
+    ``finalize_model_grads`` bound to the process groups, and the optimizer's loss scaling."""
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = partial(finalize_model_grads,
+                                               pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    config.grad_scale_func = optimizer.scale_loss
 
 
 class TrainResult:
