@@ -160,12 +160,12 @@ def reference() -> dict:
 
 
 def _logger_config(directory: str) -> LoggerConfig:
-    """Bridge's logger settings: every logger whose package is installed, each value logged at every
-    iteration, the console line at every iteration."""
+    """Bridge's logger settings: TensorBoard and every other logger whose package is installed, each value
+    logged at every iteration, the console line at every iteration."""
     enabled = {name for name, package in LOGGERS.items() if _installed(package)}
     return LoggerConfig(
         log_interval=1, tensorboard_log_interval=1,
-        tensorboard_dir=os.path.join(directory, "tb") if "tensorboard" in enabled else None,
+        tensorboard_dir=_run_dir(directory),
         wandb_project="bridge-test" if "wandb" in enabled else None, wandb_exp_name="run",
         wandb_save_dir=directory,
         mlflow_experiment=EXPERIMENT if "mlflow" in enabled else None, mlflow_run_name="run",
@@ -173,8 +173,8 @@ def _logger_config(directory: str) -> LoggerConfig:
 
 
 def _run_dir(directory: str) -> str:
-    """Where incidents.jsonl goes: Bridge's TensorBoard directory, else its checkpoint directory."""
-    return os.path.join(directory, "tb" if _installed("tensorboard") else "checkpoints")
+    """Where incidents.jsonl goes: Bridge's TensorBoard directory (Bridge's state needs TensorBoard installed)."""
+    return os.path.join(directory, "tb")
 
 
 def _close_loggers(state) -> None:
@@ -306,9 +306,14 @@ def _offline_loggers(monkeypatch, tmp_path):
 
 
 def _read(logger: str, directory: str) -> dict:
-    """What ``logger`` holds, by the plugin's key names (MLflow's: ``mlflow_key`` of each)."""
+    """What ``logger`` holds (read once per run: the tests only look)."""
     if not _installed(LOGGERS[logger]):
         pytest.skip(f"{LOGGERS[logger]} is not installed (make test-backends installs it)")
+    return _read_once(logger, directory)
+
+
+@functools.cache
+def _read_once(logger: str, directory: str) -> dict:
     if logger == "tensorboard":
         return tensorboard_scalars(os.path.join(directory, "tb"))
     if logger == "wandb":
@@ -475,4 +480,9 @@ def test_moe_keys_equal_the_routers_own_maps(logger, tmp_path_factory):
             assert written[_key(logger, key)][iteration] == pytest.approx(value, rel=RTOL), (key, iteration)
         bridge_norm = written["grad-norm"][iteration]
         assert written[_key(logger, keys.GRAD_NORM_TOTAL)][iteration] == pytest.approx(bridge_norm, rel=RTOL)
+        # Megatron's router losses as Bridge's training_log logs them (megatron-core's track_moe_metrics); the
+        # z-loss agrees here because every rank routes the same number of tokens (docs/moe.md: pooled by tokens).
+        for loss in ("load_balancing_loss", "z_loss"):
+            assert written[_key(logger, f"moe/{loss}")][iteration] == pytest.approx(written[loss][iteration],
+                                                                                    rel=RTOL), (loss, iteration)
     assert not load_incidents(_run_dir(result["directory"]))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import subprocess
 import sys
 import types
@@ -59,7 +60,8 @@ PLACEHOLDERS = ("modelopt", "megatron.training", "tqdm", "megatron.bridge.peft",
 
 
 class BridgeUnavailable(RuntimeError):
-    """The wheel could not be downloaded (the package index is unreachable)."""
+    """The wheel could not be downloaded (the package index is unreachable), or a package its state needs is
+    missing."""
 
 
 def bridge_path() -> Path:
@@ -157,6 +159,9 @@ def load_bridge() -> Bridge:
     if not any(isinstance(finder, _StubFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _StubFinder())
         _config_module()
+    if importlib.util.find_spec("tensorboard") is None:  # Bridge's state.py imports torch's SummaryWriter
+        raise BridgeUnavailable("Megatron-Bridge's GlobalState imports TensorBoard, which is not installed "
+                                "(make test-bridge installs it with the other logging packages)")
     load = importlib.import_module
     training = "megatron.bridge.training"
     return Bridge(*(load(f"{training}.{name}") for name in ("gpt_step", "losses", "utils.train_utils", "train",
