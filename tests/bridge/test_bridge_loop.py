@@ -370,9 +370,15 @@ def test_the_console_lines(run, tmp_path_factory):
                 assert float(printed[key]) == pytest.approx(value, rel=1e-6), (key, iteration)
             else:
                 assert key not in printed
-    for iteration in range(1, ITERATIONS + 1):
-        assert f" twinkle-megatron step health at iteration {iteration} | " in console
-    assert f"[incident] step {PLANTED_ITERATION}: " in console
+    plugin_norms = dict(re.findall(r" twinkle-megatron step health at iteration (\d+) \| grad_norm/total ([^ |]+)",
+                                   console))
+    for iteration in HEALTHY:  # the plugin's total beside Bridge's own grad norm, as each prints it
+        bridge_norm = float(re.search(r" grad norm: ([^ |]+) \|", lines[iteration - 1]).group(1))
+        assert float(plugin_norms[str(iteration)]) == pytest.approx(bridge_norm, abs=1e-3), iteration
+    assert sorted(plugin_norms) == [str(i) for i in range(1, ITERATIONS + 1)]
+    dataset = GROUPS[_train_batch(PLANTED_ITERATION)["dataset_id"][PLANTED_POSITION]]
+    assert f"[incident] step {PLANTED_ITERATION}: nonfinite_loss" in console
+    assert f"; top sample {PLANTED_INDEX} (dataset {dataset}, loss nan" in console.lower()
 
 
 # ------------------------------------------------------------------ step health through Bridge's loop
@@ -413,7 +419,7 @@ def test_the_planted_sample_is_named_in_incidents_jsonl(run, tmp_path_factory):
     top = incident["samples"][0]
     assert (top["sample_index"], top["dataset"], top["step"]) == (
         PLANTED_INDEX, GROUPS[_train_batch(PLANTED_ITERATION)["dataset_id"][PLANTED_POSITION]], PLANTED_ITERATION)
-    assert top["nonfinite_tokens"] > 0
+    assert "nonfinite_loss" in incident["reasons"] and top["nonfinite_tokens"] > 0
     assert all(sample["nonfinite_tokens"] == 0 for sample in incident["samples"][1:]), "one sample is bad"
     assert read_skip_list(run_dir) == {PLANTED_INDEX}
     assert math.isnan(result["last"]["loss_dicts"][PLANTED_ITERATION]["lm loss"])  # what Bridge logged
