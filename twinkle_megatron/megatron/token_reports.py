@@ -88,7 +88,7 @@ class TokenReports:
         ids, error = torch.full(labels.shape, -1, dtype=torch.int64, device=labels.device), None
         try:
             own = None if group_ids is None else token_groups(group_ids, labels, count)
-            ids = ids if own is None else torch.where(own.valid, own.ids, -1)
+            ids = ids if own is None else torch.where(own.in_range, own.ids, -1)
         except ValueError as bad:
             error = bad
         dist.broadcast(ids, src=dist.get_global_rank(context.tp_group, 0), group=context.tp_group)
@@ -117,7 +117,7 @@ class TokenReports:
         # names) tokens without a group id inside the names (none given, or out of range).
         mistakes = {INVALID_LABELS: classes.invalid_label.sum(dtype=torch.float64)}
         if self.group_names:
-            mistakes[UNGROUPED_TOKENS] = (mask if groups is None else mask & ~groups.valid).sum(dtype=torch.float64)
+            mistakes[UNGROUPED_TOKENS] = (mask if groups is None else mask & ~groups.in_range).sum(dtype=torch.float64)
         zero = torch.zeros((), dtype=stats.entropy.dtype, device=device)
         values = {ACCURACY: counted & (stats.argmax == labels.to(device)),
                   ENTROPY: torch.where(counted, stats.entropy, zero),
