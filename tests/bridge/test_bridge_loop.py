@@ -30,6 +30,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import megatron.core
 import pytest
@@ -45,6 +46,7 @@ from twinkle_megatron.logging.mlflow_names import mlflow_key
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 from twinkle_megatron.testing.distributed import Layout, run_distributed
+from twinkle_megatron.testing.guards import count_collectives
 from twinkle_megatron.tracker.incidents import load_incidents, read_skip_list
 
 ENABLED = os.environ.get("TWINKLE_BRIDGE_TEST") == "1"
@@ -95,13 +97,14 @@ class Run:
     layout: Layout
     ep: int = 1
     moe: bool = False
+    beside_plain: bool = False  # also Bridge's plain step on a twin model: collectives, bitwise equality
 
     @property
     def spec(self) -> GPTSpec:
         return MOE_SPEC if self.moe else SPEC
 
 
-DENSE = [Run("tp2-cp2", Layout(tp=2, cp=2)), Run("pp2-vpp2-dp2", Layout(pp=2, dp=2, vpp=2))]
+DENSE = [Run("tp2-cp2", Layout(tp=2, cp=2)), Run("pp2-vpp2-dp2", Layout(pp=2, dp=2, vpp=2), beside_plain=True)]
 MOE_RUN = Run("dp2-ep2-moe", Layout(dp=2), ep=2, moe=True)
 
 
@@ -244,6 +247,59 @@ def _callbacks(model: list, moe: bool) -> list:
     return [RouterMaps()] if moe else [PlantCorruptRow()]
 
 
+def _observer(model: list):
+    """A Bridge ``Callback`` counting the collectives of each training step (``on_train_step_start`` to
+    ``on_train_step_end``: exactly Bridge's ``train_step``, megatron-core's and the plugin's alike) and keeping
+    the gradients and weights after the last healthy step."""
+
+    class Observer(BRIDGE.callbacks.Callback):
+        def __init__(self) -> None:
+            self.collectives: dict = {}
+            self.after_healthy: Optional[tuple] = None
+            self._counting = None
+
+        def on_train_step_start(self, context) -> None:
+            self._counting = count_collectives()
+            self._counter = self._counting.__enter__()
+
+        def on_train_step_end(self, context) -> None:
+            self._counting.__exit__(None, None, None)
+            iteration = context.state.train_state.step + 1
+            self.collectives[iteration] = dict(self._counter)
+            if iteration == HEALTHY[-1]:
+                parameters = [p for chunk in model for p in chunk.parameters()]
+                self.after_healthy = ([p.main_grad.clone() for p in parameters],
+                                      [p.detach().clone() for p in parameters], context.loss_dict, context.grad_norm)
+
+    return Observer()
+
+
+def _plain_twin(run: Run, seen) -> dict:
+    """Bridge's own ``forward_step``, not wrapped, on a twin of the model (same weights), for the healthy
+    iterations: its collectives per step, and whether its gradients, weights, loss and grad norm equal, bitwise,
+    what the instrumented run had (``seen``: its observer)."""
+    model, optimizer = build_trained_gpt(run.spec, lr=0.0)
+    configure_model_like_bridge(model, optimizer)
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    cfg = ConfigContainer(ModelSettings(vpp, seq_length=SPEC.max_sequence_length, num_layers=SPEC.num_layers),
+                          micro_batch_size=MICRO_BATCH, train_iters=len(HEALTHY),
+                          data_parallel_size=parallel_state.get_data_parallel_world_size())
+    plain = _observer(model)
+    data = iter([micro for i in HEALTHY
+                 for micro in local_microbatches(_train_batch(i), MICRO_BATCH, cp_size=1, cp_rank=0)])
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(BRIDGE, global_state(BRIDGE, cfg), BRIDGE.gpt_step.forward_step, model, optimizer,
+              _scheduler(optimizer), data, len(HEALTHY), callbacks=[plain])
+    grads, weights, loss_dict, grad_norm = plain.after_healthy
+    seen_grads, seen_weights, seen_loss_dict, seen_grad_norm = seen.after_healthy
+    return {"plain_collectives": plain.collectives, "collectives": seen.collectives,
+            "report_keys": (len(loss_dict), len(seen_loss_dict)),
+            "bitwise": {"gradients": all(torch.equal(a, b) for a, b in zip(grads, seen_grads)),
+                        "weights": all(torch.equal(a, b) for a, b in zip(weights, seen_weights)),
+                        "lm loss": all(torch.equal(loss_dict[key], seen_loss_dict[key]) for key in loss_dict),
+                        "grad norm": grad_norm == seen_grad_norm}}
+
+
 def _run_worker(run: Run, directory: str) -> dict:
     """One Bridge run on this rank (see the module docstring); the last rank's console output comes back."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
@@ -269,6 +325,7 @@ def _run_worker(run: Run, directory: str) -> dict:
         state = global_state(BRIDGE, cfg)
         metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS, layer_norms=True, incidents=True)
         own = _callbacks(model, run.moe)
+        observer = _observer(model)
         train_data = iter([micro for i in range(1, ITERATIONS + 1)
                            for micro in local_microbatches(_train_batch(i), MICRO_BATCH, cp_size=1, cp_rank=0)])
         valid_data = iter(local_microbatches(_eval_batch(), MICRO_BATCH, cp_size=1, cp_rank=0))
@@ -276,10 +333,11 @@ def _run_worker(run: Run, directory: str) -> dict:
         with contextlib.redirect_stdout(console):
             result = train(BRIDGE, state, metrics.wrap(BRIDGE.gpt_step.forward_step), model, optimizer,
                            _scheduler(optimizer), train_data, ITERATIONS, valid_data=valid_data,
-                           callbacks=metrics.bridge_callbacks() + own)
+                           callbacks=metrics.bridge_callbacks() + own + [observer])
         _close_loggers(state)
+        twin = _plain_twin(run, observer) if run.beside_plain else None
     return {"loss_dicts": result.loss_dicts, "grad_norms": result.grad_norms, "validations": result.validations,
-            "console": console.getvalue(), "routing": own[0].steps if run.moe else None}
+            "console": console.getvalue(), "routing": own[0].steps if run.moe else None, "twin": twin}
 
 
 _RUNS: dict = {}
@@ -492,3 +550,24 @@ def test_moe_keys_equal_the_routers_own_maps(logger, tmp_path_factory):
             assert written[_key(logger, f"moe/{loss}")][iteration] == pytest.approx(written[loss][iteration],
                                                                                     rel=RTOL), (loss, iteration)
     assert not load_incidents(_run_dir(result["directory"]))
+
+
+# ------------------------------------------------------------------ what the plugin adds to Bridge's step
+
+
+def test_the_plugin_adds_one_sync_per_step_and_changes_nothing(tmp_path_factory):
+    """Beside Bridge's plain step on a twin model, every rank: the instrumented step (everything on) issues at most
+    two more collectives (the step-health sync) beyond the one all-reduce per report key that Bridge's
+    ``train_step`` pools on the last stage (docs: 3 keys, plus 4 per dataset), and Bridge's gradients, weights,
+    loss reports and grad norm are bitwise the same."""
+    (run,) = [run for run in DENSE if run.beside_plain]
+    for rank, result in enumerate(bridge_run(run, tmp_path_factory)["ranks"]):
+        twin = result["twin"]
+        assert twin["bitwise"] == {"gradients": True, "weights": True, "lm loss": True, "grad norm": True}, rank
+        plain_keys, keys_seen = twin["report_keys"]
+        pooled = keys_seen - plain_keys
+        assert pooled in (0, len(STATISTICS) + 4 * len(GROUPS)), (rank, twin["report_keys"])
+        for iteration in HEALTHY:
+            added = sum(twin["collectives"][iteration].values()) - sum(twin["plain_collectives"][iteration].values())
+            assert 0 < added - pooled <= 2, (rank, iteration, twin["collectives"][iteration],
+                                             twin["plain_collectives"][iteration])
