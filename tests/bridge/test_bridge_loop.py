@@ -4,20 +4,27 @@ unmodified (``kit/megatron_bridge.py``), driven in Bridge's order (``kit/bridge_
 MLflow 3.17 refuses a new file store), each read back by the tool's own reader (``kit/logger_readers.py``) and
 checked by key, value and iteration.
 
-``pretrain(config, metrics.wrap(forward_step))``: ``instrument()`` gets no model (Bridge builds it), the statistics
-ride in the loss reports. Each layout runs once (three training iterations, one evaluation after the second) on a
+The wiring of ``pretrain(config, metrics.wrap(forward_step), callbacks=metrics.bridge_callbacks())`` with
+``instrument(vocab_size=..., group_names=..., layer_norms=True, incidents=True)``: no model at ``instrument()``
+(Bridge builds it). Each run happens once (three training iterations, one evaluation after the second) on a
 real megatron-core GPT with Megatron's DDP and Adam at learning rate 0 (the optimizer runs and reports its grad
 norm, the weights stay), so every iteration's float64 reference is the single-process model on that
-iteration's global batch. Checked:
+iteration's global batch. Runs: TP2 × CP2 and PP2 × VPP2 × DP2 (dense), DP2 × EP2 with MoE layers. Checked:
 
-* the loss reports Bridge's ``training_log`` writes (``lm loss``, ``accuracy``, ``accuracy/<dataset>``,
-  ``lm loss/<dataset>``, ...) equal the reference at their iteration in every logger, and Bridge's console line
-  prints them;
-* Bridge's evaluation pools only the ``loss_func``'s key: ``lm loss`` is its only value, perplexity and logger
-  key (no perplexity of an accuracy anywhere), equal to the reference; the plugin's own validation values
-  (``calculate_validation()``) equal the reference over the evaluation batch.
+* the loss reports ``training_log`` writes (``lm loss``, ``accuracy``, ``accuracy/<dataset>``, ...) equal the
+  reference at their iteration in every logger, and Bridge's console line prints them;
+* per-layer gradient and parameter norms in every logger equal the float64 reference; their total equals
+  Bridge's own logged ``grad-norm`` of the same iteration (and the plugin's console line, Bridge's);
+* a planted bad sample (its token's embedding row turns non-finite at the last iteration) is named in
+  ``incidents.jsonl`` with its global index in Megatron's sampler order and its dataset, and on the console;
+* ``moe/...`` keys equal what the routers' own routing maps give, and Megatron's router losses as Bridge logs them;
+* Bridge's evaluation pools only the ``loss_func``'s key (its only value, perplexity and logger keys); the
+  plugin's callback writes ``validation/<key>`` at Bridge's iteration, equal to the reference;
+* beside Bridge's plain step on a twin model: at most two collectives more per step (beyond Bridge's own
+  pooling of the added report keys), gradients, weights, loss and grad norm bitwise the same.
 
-A logger whose package is not installed is skipped with its reason (``make test-bridge`` installs them first).
+A logger whose package is not installed is skipped with its reason (``make test-bridge`` installs them first;
+Bridge's ``GlobalState`` itself imports TensorBoard).
 """
 
 from __future__ import annotations
