@@ -90,7 +90,7 @@ EXPERIMENT = "bridge-test"
 # PLANT_TOKEN (outside the true vocabulary: no other sample has it), whose embedding row turns non-finite just
 # before that step, so that sample's loss and every gradient are NaN. Its global index in Megatron's sampler
 # order: the samples of the earlier steps, then its position.
-PLANTED_ITERATION, PLANTED_POSITION, PLANT_TOKEN = 3, 5, 62
+PLANTED_ITERATION, PLANTED_POSITION, PLANT_TOKEN = 3, 7, 62  # under DP2: microbatch 1 of DP rank 1, its 2nd
 PLANTED_INDEX = (PLANTED_ITERATION - 1) * GLOBAL_BATCH + PLANTED_POSITION
 HEALTHY = range(1, PLANTED_ITERATION)  # the iterations before the planted one
 MOE = MoESpec()  # 4 experts, top-2, Megatron's aux loss and z-loss
