@@ -570,15 +570,19 @@ def blended_reference(spec: GPTSpec, true_vocab: int, group_names: Sequence[str]
 
 
 def reference_metrics(spec: GPTSpec, batch: Mapping[str, torch.Tensor], vocab_size: int,
-                      group_names: Sequence[str] = (), group_key: str = "dataset_id") -> dict[str, float]:
+                      group_names: Sequence[str] = (), group_key: str = "dataset_id",
+                      model: Optional[torch.nn.Module] = None) -> dict[str, float]:
     """World 1 (call inside a one-rank worker and the shim), float64, full vocabulary: ``accuracy``,
     ``correct_tokens``, ``total_tokens``, ``logprob``, ``entropy`` over the tokens of the loss mask, and ``loss``
     (Megatron's per-token cross-entropy over the padded vocabulary); with ``group_names`` each of them again as
-    ``key/<name>`` over the samples whose ``batch[group_key]`` is the group's index."""
+    ``key/<name>`` over the samples whose ``batch[group_key]`` is the group's index. ``model``: the single-process
+    ``GPTModel`` to evaluate (a trained one); default: ``spec``'s, freshly built."""
     from kit.references import accuracy_reference, token_stats_reference
 
-    (model,) = build_gpt_model(spec)
-    logits = reference_forward(model, batch).detach().double()
+    if model is None:
+        (model,) = build_gpt_model(spec)
+    with torch.no_grad():
+        logits = reference_forward(model, batch).double()
     labels = batch["labels"]
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, spec.vocab_size), labels.reshape(-1),
                                                reduction="none").reshape(labels.shape)
