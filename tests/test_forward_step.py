@@ -202,9 +202,11 @@ def _moe_without_a_model() -> list:
     return [str(w.message) for w in caught if "MoE routing" in str(w.message)]
 
 
-def test_without_a_model_moe_routing_health_is_left_out_with_one_warning():
+def test_outside_megatrons_own_loop_moe_routing_health_is_left_out_with_one_warning():
+    """Without a model the routers are hooked through the step end of Megatron's own loop (pretrain()); a schedule
+    run without it (no global arguments, no finalize_model_grads_func) leaves them out and says so once."""
     (messages,) = run_distributed(_moe_without_a_model, layout=Layout(), timeout=TIMEOUT)
-    assert len(messages) == 1 and "pass the model chunks" in messages[0]
+    assert len(messages) == 1 and "need Megatron's own loop" in messages[0]
 
 
 def megatron_lm_style_step(data_iterator, model):
@@ -255,7 +257,8 @@ def _options(mistake: str) -> dict:
 
     return {"labels outside vocab_size": dict(vocab_size=20),
             "group_names without dataset_id": dict(vocab_size=TRUE_VOCAB, group_names=GROUPS),
-            "position_buckets": dict(vocab_size=TRUE_VOCAB, position_buckets=[0, 4, 8]),
+            # A metric passed in with its own buckets (the defaults' buckets go through Megatron's step end).
+            "position_buckets": dict(metrics=[LossMetric(position_buckets=[0, 4, 8])]),
             "metrics the reports cannot carry": dict(metrics=[LossMetric(), GRPOMetric()]),
             "none": dict(vocab_size=TRUE_VOCAB, group_names=GROUPS)}[mistake]
 

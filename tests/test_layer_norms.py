@@ -25,10 +25,10 @@ from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 
 from twinkle_megatron import MetricsTracker, TrackerConfig, keys
-from twinkle_megatron.megatron.layer_grads import LayerParameters
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 from twinkle_megatron.testing.distributed import Layout, run_distributed
 from twinkle_megatron.testing.guards import count_collectives, forbid_host_sync
+from twinkle_megatron.tracker.layer_parameters import LayerParameters
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 MICRO_BATCH = 2

@@ -3,8 +3,11 @@
 A module reaches another only through its public names: it neither imports
 nor reads an ``_``-prefixed name defined elsewhere, nor overrides one in a
 subclass. The layers import one way: ``parallel`` and ``ops`` know nothing of
-the others; ``metric`` builds on them; ``megatron``, ``tracker`` and
-``logging`` on those; ``cli`` and ``plots`` on everything. ``testing`` (the CPU
+the others; ``metric`` builds on them; ``logging`` on nothing; ``tracker`` (the
+step record) on ``metric`` and ``logging``; ``megatron`` (the hooks into
+Megatron's model, ``forward_step`` and loop, which drive the tracker's step-health
+pieces inside Megatron's own ``pretrain()``) on all of those; ``cli`` and
+``plots`` on everything. ``testing`` (the CPU
 shim and other support for tests, the CPU demo and the documentation's examples)
 is a top layer that may use any other and that nothing in the library imports.
 """
@@ -40,9 +43,9 @@ ALLOWED = {
     "parallel": set(),
     "ops": {"parallel"},
     "metric": {"parallel", "ops"},
-    "megatron": {"parallel", "ops", "metric"},
     "logging": set(),
-    "tracker": {"parallel", "metric", "megatron", "logging"},
+    "tracker": {"parallel", "metric", "logging"},
+    "megatron": {"parallel", "ops", "metric", "logging", "tracker"},
     "testing": {"parallel", "ops", "metric", "megatron", "logging", "tracker"},
 }
 # Inside metric/, the pipeline's layers (twinkle_megatron/metric/__init__.py): which each may import.

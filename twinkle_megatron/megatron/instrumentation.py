@@ -47,15 +47,17 @@ import torch
 from .. import keys
 from ..metric import Metric, MetricCollection, Number, SampleLosses, check_layout_declared, logits_token_stats
 from ..parallel import ParallelContext
+from ..tracker.loss_reports import loss_func_result
 from .forward_step import DATA_ITERATOR, MODEL, BatchReader, StepSignature, loss_mask_of
+from .framework_loop import find_framework_loop
 from .fused_loss import FusedLoss, check_fused_loss
 from .hook_failures import HookFailures, MetricHookError
 from .language_model import language_models, mtp_heads
-from .loss_reports import loss_func_result
 from .metric_choice import default_metrics, shared_vocab_size
 from .microbatch_feed import microbatch_call, microbatch_feed, per_token_losses
 from .mistakes import LoopChecks
 from .router_hooks import attach_moe_routing, find_routers
+from .step_health import StepHealth
 from .token_reports import TokenReports, report_device, with_entries
 from .validation import Validation, is_evaluation
 
@@ -98,8 +100,15 @@ class MegatronInstrumentation:
     Megatron's own gradient (see :mod:`.fused_loss`; what it refuses and why).
 
     Megatron-core MoE layers also report routing health (``moe/...``, see
-    :mod:`.router_hooks`; needs ``model``); ``moe_routing=False`` leaves the
+    :mod:`.router_hooks`); ``moe_routing=False`` leaves the
     routers alone, ``moe_per_layer=True`` adds the per-layer keys.
+
+    Inside Megatron-LM's and Megatron-Bridge's own ``pretrain()`` (no ``model``, loss reports on), what the loss
+    reports cannot carry goes through Megatron's own step end (:mod:`.step_health`) to its writers and console:
+    MoE routing health, the position buckets' keys, and with ``layer_norms=True`` the per-layer gradient and
+    parameter norms (docs/step-health.md), with ``incidents=True`` an ``incidents.jsonl`` line for every step with
+    a loss spike or a non-finite loss or norm, naming its highest-loss samples by their index in Megatron's
+    sampler order. :meth:`bridge_callbacks` writes the validation values to Megatron-Bridge's loggers.
     """
 
     def __init__(self, model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None,
@@ -108,7 +117,9 @@ class MegatronInstrumentation:
                  group_names: Optional[Sequence[str]] = None, group_key: str = "dataset_id",
                  moe_routing: bool = True, moe_per_layer: bool = False,
                  loss_reports: Optional[bool] = None, position_buckets: Any = None,
-                 seq_length: Optional[int] = None, fused_loss: bool = False) -> None:
+                 seq_length: Optional[int] = None, fused_loss: bool = False, layer_norms: bool = False,
+                 incidents: bool = False) -> None:
+        metrics_given = metrics is not None
         if metrics is None:
             metrics = default_metrics(vocab_size, ignore_index, group_names, position_buckets, seq_length)
         self._failures = HookFailures()
@@ -119,7 +130,6 @@ class MegatronInstrumentation:
         # MoE routing health: hooks on the routers (router_hooks.py), one more metric in the same sync.
         self.moe = attach_moe_routing(chunks, per_layer=moe_per_layer, on_error=self._failures.record) \
             if moe_routing and chunks else None
-        self._moe_wanted = moe_routing and model is None
         moe_metrics = [self.moe.metric] if self.moe is not None else []
         self.metrics = MetricCollection([*user_metrics, *moe_metrics, self._failures])
         self.vocab_size = shared_vocab_size(vocab_size, user_metrics)
@@ -131,7 +141,21 @@ class MegatronInstrumentation:
         # Without a model, Megatron's own loop (pretrain()) is the one that logs: the statistics ride in its reports.
         self.reports = TokenReports(ignore_index, names, loss_key) \
             if (model is None if loss_reports is None else loss_reports) else None
-        self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key, user_metrics, model)
+        # In Megatron's own loop, what its reports cannot carry goes through its step end (step_health.py).
+        self.step_health = StepHealth(
+            layer_norms=layer_norms, incidents=incidents, group_names=names, group_key=group_key,
+            position_buckets=position_buckets, seq_length=seq_length, vocab_size=self.vocab_size,
+            ignore_index=ignore_index, moe_routing=moe_routing, moe_per_layer=moe_per_layer,
+            on_error=self._failures.record) if self.reports is not None and model is None else None
+        if (layer_norms or incidents) and self.step_health is None:
+            raise ValueError("instrument(layer_norms=..., incidents=...) is for Megatron's own loop (pretrain(): "
+                             "no model given, loss reports on); in a loop you own use MetricsTracker "
+                             "(record_grad_norms, SampleLosses)")
+        self._moe_wanted = moe_routing and model is None and self.step_health is None
+        # The default metrics' keys all reach Megatron's log (position buckets through step_health.py); metrics
+        # passed in may have keys that cannot.
+        self._checks = self.reports and LoopChecks(self.vocab_size, names, group_key,
+                                                   user_metrics if metrics_given else [], model)
         # Megatron's evaluate() would print a perplexity of every report key: its microbatches feed a copy of the
         # metrics instead, and the reports keep the loss_func's own keys (validation.py).
         self.validation = Validation(user_metrics) if self.reports is not None else None
@@ -168,14 +192,17 @@ class MegatronInstrumentation:
                 self._handles.append(gpt.output_layer.register_forward_hook(
                     functools.partial(self._after_output_layer, mtp_heads(gpt)), with_kwargs=True))
 
-    def _attach_lazily(self, model: Any) -> None:
-        """On a chunk's first microbatch: its hooks (virtual pipeline stages arrive one chunk per call)."""
+    def _attach_lazily(self, model: Any, arguments: Mapping[str, Any]) -> None:
+        """On a chunk's first microbatch: its hooks (virtual pipeline stages arrive one chunk per call);
+        ``arguments``: the call's, by parameter name (Megatron-Bridge's state among them)."""
         chunks = [m for m in (model if isinstance(model, (list, tuple)) else [model]) if isinstance(m, torch.nn.Module)]
         new = [chunk for chunk in chunks if chunk not in self._chunks_seen]
         if not new:
             return
         self._chunks_seen.update(new)
         self._attach(new)
+        if self.step_health is not None:
+            self.step_health.attach(new, find_framework_loop(arguments))
         if self._moe_wanted and find_routers(new):
             self._moe_wanted = False  # its metric must exist before anything reads the collection
             warnings.warn("instrument() without a model leaves MoE routing health out: pass the model chunks "
@@ -248,7 +275,7 @@ class MegatronInstrumentation:
                 self._checks.at_call(arguments.arguments.get(MODEL) if arguments is not None else None)
             if reads_arguments:
                 if self._lazy:
-                    self._attach_lazily(arguments.arguments.get(MODEL))
+                    self._attach_lazily(arguments.arguments.get(MODEL), arguments.arguments)
                 iterator = arguments.arguments.get(DATA_ITERATOR)
                 if reads_batches and iterator is not None:
                     arguments.arguments[DATA_ITERATOR] = BatchReader(iterator, self.record_batch)
@@ -292,7 +319,7 @@ class MegatronInstrumentation:
                 loss_mask = None if captured is None else \
                     loss_mask_of(loss_func, captured["labels"], given=captured.get("loss_mask"))
                 entries = self._accumulate(captured, loss_mask, result, output_tensor, group_ids, sample_index,
-                                           target)
+                                           target, evaluating)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
             if self.reports is None:
@@ -313,13 +340,20 @@ class MegatronInstrumentation:
 
     def _accumulate(self, captured: Optional[dict], loss_mask: Optional[torch.Tensor], result: Any,
                     output_tensor: Optional[torch.Tensor] = None, group_ids: Any = None,
-                    sample_index: Any = None, target: Optional[MetricCollection] = None) -> Optional[dict]:
-        """Feed the metrics (``target``, default: the training metrics); returns the report entries (with
-        ``loss_reports``) when statistics were captured."""
+                    sample_index: Any = None, target: Optional[MetricCollection] = None,
+                    evaluating: bool = False) -> Optional[dict]:
+        """Feed the metrics (``target``, default: the training metrics) and, for a training microbatch in
+        Megatron's own loop, the step health; returns the report entries (with ``loss_reports``) when statistics
+        were captured."""
         target = self.metrics if target is None else target
+        health = self.step_health if self.step_health is not None and self.step_health.attached \
+            and not evaluating else None
         loss, num_tokens = loss_func_result(result, self.loss_key)
         if captured is None:  # no labels seen: the loss only (Megatron's [sum, count] report, pooled by tokens)
-            target.accumulate(*microbatch_feed(loss=loss, num_tokens=num_tokens), loss_reduction="sum")
+            call = microbatch_call(*microbatch_feed(loss=loss, num_tokens=num_tokens), {"loss_reduction": "sum"})
+            target.accumulate_call(call)
+            if health is not None:
+                health.feed(call)
             return None
         labels = captured["labels"]
         loss_mask = None if loss_mask is None else loss_mask.reshape(labels.shape)
@@ -329,8 +363,12 @@ class MegatronInstrumentation:
         # sample never takes the healthy samples of its microbatch with it.
         token_losses = per_token_losses(output_tensor, labels)
         more = {"packed_seq_params": captured.get("packed_seq_params")}  # THD: sub-sequences
-        if self._samples is not None:
-            more[self._samples.index_key] = sample_index
+        health_samples = health.samples if health is not None else None
+        if sample_index is None and health_samples is not None:
+            sample_index = health.sample_indices(labels.shape[0], self.context, labels.device)  # sampler order
+        for samples in (self._samples, health_samples):
+            if samples is not None and sample_index is not None:
+                more[samples.index_key] = sample_index
         stats = captured["stats"]
         inputs, outputs = microbatch_feed(labels=labels, loss_mask=loss_mask, stats=stats,
                                           group_key=self.group_key, group_ids=group_ids, loss=loss,
@@ -344,8 +382,10 @@ class MegatronInstrumentation:
             entries, mistakes = self.reports.of(labels, mask, stats, classes, groups, token_losses)
             self._checks.add(mistakes)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
-        target.accumulate_call(microbatch_call(inputs, outputs, {"loss_reduction": "sum"}, classes,
-                                               self.ignore_index))
+        call = microbatch_call(inputs, outputs, {"loss_reduction": "sum"}, classes, self.ignore_index)
+        target.accumulate_call(call)
+        if health is not None:
+            health.feed(call)
         return entries
 
     # --------------------------------------------------------- explicit calls
@@ -409,6 +449,12 @@ class MegatronInstrumentation:
         the evaluation's iteration (:meth:`.Validation.pretrain_hooks`); ``{}`` without ``loss_reports``."""
         return {} if self.validation is None else self.validation.pretrain_hooks()
 
+    def bridge_callbacks(self) -> list:
+        """For Megatron-Bridge's ``pretrain(config, metrics.wrap(forward_step), callbacks=metrics.bridge_callbacks())``:
+        at the end of each evaluation the validation values are calculated on every rank and written to Bridge's
+        loggers at its iteration (:class:`.validation.BridgeValidation`); ``[]`` without ``loss_reports``."""
+        return [] if self.validation is None else self.validation.bridge_callbacks()
+
     def detach(self) -> None:
         """Remove every hook of ours from the model."""
         for handle in self._handles:
@@ -420,6 +466,8 @@ class MegatronInstrumentation:
             self.fused_loss.detach()
         if self.moe is not None:
             self.moe.detach()
+        if self.step_health is not None:
+            self.step_health.detach()
         self._captured = None
 
     def __enter__(self) -> MegatronInstrumentation:

@@ -8,8 +8,9 @@ raise on bad data. Three mistakes would then only give wrong or empty numbers:
   32): those tokens are left out of ``accuracy``, ``logprob`` and ``entropy``;
 * **group names without group ids** (``group_names=`` but the batches carry no
   ``dataset_id``, or ids outside the names): every per-dataset key is ``[0, 0]``;
-* **options the reports cannot carry** (``position_buckets=``, metrics other than
-  the defaults): their keys exist only in ``calculate()``.
+* **metrics the reports cannot carry** (metrics passed in other than the defaults, or
+  with ``position_buckets=`` of their own; the defaults' position buckets go through
+  Megatron's step end, :mod:`.step_health`): their keys exist only in ``calculate()``.
 
 Each is a ``RuntimeWarning``, at most once per run, on the rank Megatron logs on (the
 last global rank), not an error: the training itself is right, a run is not
@@ -183,9 +184,9 @@ def mistake_messages(vocab_size: Optional[int], group_names: Sequence[str], grou
 
 
 def unserved_options(metrics: Sequence[Metric]) -> list[str]:
-    """What ``instrument()`` was asked for that Megatron's loss reports cannot carry (they hold the default
-    metrics' token keys, per group), known without data: position buckets, metrics other than the defaults
-    (:class:`Accuracy`, :class:`TokenStatsMetric`, :class:`LossMetric`)."""
+    """What the metrics passed to ``instrument()`` ask for that Megatron's loss reports cannot carry (they hold the
+    default metrics' token keys, per group), known without data: their position buckets, metrics other than the
+    defaults (:class:`Accuracy`, :class:`TokenStatsMetric`, :class:`LossMetric`)."""
     unserved = []
     if any(getattr(m, "position_buckets", None) is not None for m in metrics):
         unserved.append("position_buckets= (the per-position keys)")

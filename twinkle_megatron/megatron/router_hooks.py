@@ -74,13 +74,21 @@ class MoERoutingHooks:
     """
 
     def __init__(self, routers: Sequence[torch.nn.Module], metric: MoERoutingMetric,
-                 on_error: Callable[[str, BaseException], None]) -> None:
+                 on_error: Callable[[str, BaseException], None], skip_evaluation: bool = False) -> None:
         self.metric = metric
         self.on_error = on_error
+        # Inside Megatron's own loop its evaluate() runs the same routers: their calls there (the router in eval
+        # mode, autograd off: validation.is_evaluation's rule) are not the training step's routing.
+        self.skip_evaluation = skip_evaluation
         # More readers of each counted router call: (router, layer_number, routing_map, padding_mask).
         self.listeners: list[Callable[[torch.nn.Module, int, torch.Tensor, Any], None]] = []
         self._handles: list = []
         self._group_sizes: dict[int, int] = {}
+        self.hook(routers)
+
+    def hook(self, routers: Sequence[torch.nn.Module]) -> None:
+        """Hooks on ``routers`` too (the chunks of virtual pipeline stages reach the wrapped step one by one)."""
+        metric = self.metric
         for router in routers:
             layer_number = getattr(router, "layer_number", None)
             if not isinstance(layer_number, int) or not 1 <= layer_number <= metric.num_layers:
@@ -96,7 +104,12 @@ class MoERoutingHooks:
             self._handles.append(router.register_forward_hook(
                 functools.partial(self._after_router, site), with_kwargs=True))
 
+    def _evaluating(self, module: torch.nn.Module) -> bool:
+        return self.skip_evaluation and not module.training and not torch.is_grad_enabled()
+
     def _before_router(self, site: _RouterSite, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._evaluating(module):
+            return
         try:
             site.before = {}
             row = site.layer_number - 1
@@ -109,6 +122,8 @@ class MoERoutingHooks:
 
     def _after_router(self, site: _RouterSite, module: torch.nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
+        if self._evaluating(module):
+            return
         try:
             bound = site.signature.bind(*args, **kwargs).arguments
             hidden = bound[next(iter(site.signature.parameters))]
@@ -165,7 +180,8 @@ class MoERoutingHooks:
 
 
 def attach_moe_routing(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], *, per_layer: bool = False,
-                       on_error: Callable[[str, BaseException], None]) -> Optional[MoERoutingHooks]:
+                       on_error: Callable[[str, BaseException], None], skip_evaluation: bool = False
+                       ) -> Optional[MoERoutingHooks]:
     """Hooks on every MoE router of the model chunks and their metric; None for a model without MoE layers.
 
     MoE-ness is read from the model's ``TransformerConfig`` (``num_moe_experts``),
@@ -179,7 +195,7 @@ def attach_moe_routing(model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
     metric = MoERoutingMetric(num_layers=config.num_layers + int(getattr(config, "mtp_num_layers", None) or 0),
                               num_experts=int(config.num_moe_experts), topk=int(config.moe_router_topk),
                               per_layer=per_layer)
-    return MoERoutingHooks(find_routers(chunks), metric, on_error)
+    return MoERoutingHooks(find_routers(chunks), metric, on_error, skip_evaluation)
 
 
 def find_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:

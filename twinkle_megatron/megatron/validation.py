@@ -35,10 +35,13 @@ import copy
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..metric import Metric, MetricCollection, Number
+from .framework_loop import BridgeLoop, last_rank
 
-VALIDATION = "validation"  # the prefix of every key this module reports
+VALIDATION = "validation"  # the prefix of the keys of an evaluation on the validation set
+TEST = "test"  # and on the test set (Megatron-Bridge's on_test_end)
 
 
 def is_evaluation(model: Any, fallback: Sequence[torch.nn.Module] = ()) -> bool:
@@ -61,11 +64,11 @@ class Validation:
     def __init__(self, metrics: Sequence[Metric]) -> None:
         self.metrics = MetricCollection(copy.deepcopy(list(metrics)))
 
-    def calculate(self, model: Any = None) -> dict[str, Number]:
+    def calculate(self, model: Any = None, prefix: str = VALIDATION) -> dict[str, Number]:
         """``{'validation/<key>': value}`` over the batches evaluated since the last call (collective: every rank
         calls it; every rank gets the same dict; ``{}`` when nothing was evaluated). ``model`` is ignored: it is
         there so that this method is Megatron-LM's ``non_loss_data_func(model)``."""
-        return {f"{VALIDATION}/{key}": value for key, value in self.metrics.calculate().items()}
+        return {f"{prefix}/{key}": value for key, value in self.metrics.calculate().items()}
 
     def write(self, values: Optional[dict], iteration: int, writer: Any) -> None:
         """Megatron-LM's ``process_non_loss_data_func(collected, iteration, writer)``: ``values`` (what
@@ -79,14 +82,51 @@ class Validation:
         wandb_writer = _megatron_wandb_writer()
         if wandb_writer is not None:
             wandb_writer.log(dict(values), iteration)
-        print(f" {VALIDATION} at iteration {iteration} | " + " | ".join(
-            f"{key[len(VALIDATION) + 1:]}: {value if isinstance(value, int) else format(value, '.6E')}"
-            for key, value in values.items()), flush=True)
+        print_values(values, iteration)
 
     def pretrain_hooks(self) -> dict[str, Callable]:
         """The keywords for Megatron-LM's ``pretrain()``: ``non_loss_data_func`` (:meth:`calculate`, every rank)
         and ``process_non_loss_data_func`` (:meth:`write`, the last rank)."""
         return {"non_loss_data_func": self.calculate, "process_non_loss_data_func": self.write}
+
+
+    def bridge_callbacks(self) -> list:
+        """Megatron-Bridge's ``pretrain(config, forward_step, callbacks=...)``: see :class:`BridgeValidation`."""
+        return [BridgeValidation(self)]
+
+
+class BridgeValidation:
+    """A Megatron-Bridge callback (duck-typed: Bridge's ``CallbackManager.add`` registers every ``on_<event>``
+    method): at the end of each evaluation (``on_eval_end``, every rank, after the last batch: a safe point for a
+    collective) the values of :meth:`Validation.calculate` go to Bridge's loggers at ``state.train_state.step``
+    (:class:`~.framework_loop.BridgeLoop`) and one console line is printed on the last rank; ``on_test_end`` does
+    the same for the test set's evaluation, as ``test/<key>``."""
+
+    def __init__(self, validation: Validation) -> None:
+        self.validation = validation
+
+    def on_eval_end(self, context: Any) -> None:
+        self._write(context.state, VALIDATION)
+
+    def on_test_end(self, context: Any) -> None:
+        self._write(context.state, TEST)
+
+    def _write(self, state: Any, prefix: str) -> None:
+        values = self.validation.calculate(prefix=prefix)
+        if not values:
+            return
+        iteration = int(state.train_state.step)
+        BridgeLoop(state).write(values, iteration)
+        if dist.get_rank() == last_rank():
+            print_values(values, iteration)
+
+
+def print_values(values: dict, iteration: int) -> None:
+    """One console line: `` validation at iteration N | accuracy: 5.1E-01 | ...`` (Megatron's number format)."""
+    prefix = next(iter(values)).split("/", 1)[0]
+    print(f" {prefix} at iteration {iteration} | " + " | ".join(
+        f"{key[len(prefix) + 1:]}: {value if isinstance(value, int) else format(value, '.6E')}"
+        for key, value in values.items()), flush=True)
 
 
 def _megatron_wandb_writer() -> Any:

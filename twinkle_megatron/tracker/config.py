@@ -67,6 +67,9 @@ class TrackerConfig:
 
     writer_rank: int = 0
     """The global rank that writes (every rank gets the same record)."""
+    incidents_dir: Optional[str] = None
+    """Where ``incidents.jsonl`` goes (``tracker/incidents.py``); default: ``log_dir`` with the ``jsonl`` backend,
+    else no file (the console line only)."""
 
     ignore_index: int = -100
     """Label value of padding, when tokens are counted from ``labels``."""

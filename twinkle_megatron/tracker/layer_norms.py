@@ -2,7 +2,7 @@
 
 :class:`LayerNorms` is a metric whose states are, per part of the model (one
 slot per transformer layer, then embedding, output layer, final norm, other;
-see :mod:`twinkle_megatron.megatron.layer_grads`), the sum of squares of the
+see :mod:`twinkle_megatron.tracker.layer_parameters`), the sum of squares of the
 gradient elements and of the parameter elements this rank counts. Every element
 is counted on exactly one rank, so a SUM over all ranks gives each part's
 squared norm, and the parts' squares add up to the square of the global
@@ -37,8 +37,8 @@ from typing import Any, Optional
 import torch
 
 from .. import keys
-from ..megatron.layer_grads import LayerParameters, loss_scale
 from ..metric import Metric, Number, SyncedStates
+from .layer_parameters import LayerParameters, loss_scale
 
 
 class LayerNorms(Metric):

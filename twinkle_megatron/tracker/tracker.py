@@ -47,14 +47,14 @@ import torch.distributed as dist
 
 from .. import keys
 from ..logging import MetricsLogger, build_backend
-from ..megatron.layer_grads import LayerParameters
-from ..megatron.loss_reports import accumulate_loss_values, loss_values
 from ..metric import Metric, MetricCollection, SampleLosses, calculate_each, calculate_metrics, merge_results
 from ..parallel import ParallelContext
 from .config import TrackerConfig
 from .flops import flops_coefficients, num_floating_point_operations
 from .incidents import IncidentReporter
 from .layer_norms import LayerNorms
+from .layer_parameters import LayerParameters
+from .loss_reports import accumulate_loss_values, loss_values
 from .memory import reset_peak_memory
 from .peak import current_device_name, fp8_autocast_active, peak_tflops
 from .run_config import build_run_config
@@ -119,8 +119,8 @@ class MetricsTracker:
         self._layer_norms: Optional[LayerNorms] = None  # opt-in: record_grad_norms
         self._samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
         self._metric_losses = NonfiniteLossCounts(self.user_metrics)  # a LossMetric's non-finite losses, per step
-        self.incidents = IncidentReporter(self._samples, config.log_dir if "jsonl" in config.backends else None,
-                                          config.writer_rank)
+        incidents_dir = config.incidents_dir or (config.log_dir if "jsonl" in config.backends else None)
+        self.incidents = IncidentReporter(self._samples, incidents_dir, config.writer_rank)
         if dist.is_available() and dist.is_initialized():
             self._states()  # resolve the layout now, while every rank builds its tracker together
 
