@@ -19,9 +19,10 @@ What is mirrored (``training.py`` at ``core_v0.16.1``):
 
 - ``train`` (L2417-3032): ``iteration = args.iteration`` (L2523: where a resumed run starts, set by
   ``load_checkpoint``), ``config.grad_scale_func``, ``config.finalize_model_grads_func = finalize_model_grads``
-  (L2546-2565), then per iteration ``args.curr_iteration = iteration`` (L2765), ``train_step``, ``iteration += 1``
-  (L2839), ``args.consumed_train_samples += batch_size`` (L2858-2869), the loss scale and learning rate
-  (L2886-2895), ``training_log`` (L2896), the evaluation at ``eval_interval`` (L2913-2951).
+  (L2546-2565; ``core_v0.19.0`` keeps a finalize function already set), then per iteration
+  ``args.curr_iteration = iteration`` (L2765), ``train_step``, ``iteration += 1`` (L2839),
+  ``args.consumed_train_samples += batch_size`` (L2858-2869), the loss scale and learning rate (L2886-2895),
+  ``training_log`` (L2896), the evaluation at ``eval_interval`` (L2913-2951).
 - ``train_step`` (L1603-1770): ``zero_grad_buffer`` / ``optimizer.zero_grad()``, ``forward_backward_func``,
   ``optimizer.step()`` -> ``update_successful, grad_norm, num_zeros_in_grad``, the model-parallel reductions of
   those (``utils.py`` L243-276), the scheduler step, the loss-report pooling over DP×CP on the last stage.
@@ -461,7 +462,9 @@ def train(forward_step_func: Callable, model: Sequence[torch.nn.Module], optimiz
     # L2546-2565: the config the schedules read.
     config.grad_scale_func = optimizer.scale_loss
     config.timers = None  # the timers are left out (the schedules skip them when None)
-    config.finalize_model_grads_func = finalize_model_grads
+    # core_v0.16.1 sets it unconditionally; core_v0.19.0 (its L3548-3550) keeps one a model builder installed.
+    if args.release != "core_v0.19.0" or config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
     forward_backward_func = get_forward_backward_func()  # L2606
     while iteration < args.train_iters:  # L2684
         args.curr_iteration = iteration  # L2765
