@@ -76,7 +76,8 @@ class MegatronLMLoop(FrameworkLoop):
 
     def iteration_before_step(self) -> int:
         args = self._args()
-        return int(getattr(args, "curr_iteration", None) or getattr(args, "iteration", 0) or 0)
+        current = getattr(args, "curr_iteration", None)  # set by train() before each train_step
+        return int(current if current is not None else getattr(args, "iteration", 0) or 0)
 
     def consumed_samples(self) -> int:
         return int(getattr(self._args(), "consumed_train_samples", 0) or 0)

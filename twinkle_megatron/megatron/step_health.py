@@ -233,7 +233,8 @@ class StepHealth:
             metrics.append(self.moe.metric)
         run_dir = self.loop.run_dir()
         config = TrackerConfig(log_interval=1, backends=(FrameworkWriters(self.loop),), writer_rank=last_rank(),
-                               log_dir=run_dir, incidents_dir=run_dir if self.incidents else None)
+                               log_dir=run_dir, incidents_dir=run_dir if self.incidents else None,
+                               device_memory=False)  # Megatron reports its own memory peaks: never reset them
         return MetricsTracker(config, metrics=metrics)
 
     def detach(self) -> None:

@@ -71,6 +71,10 @@ class TrackerConfig:
     """Where ``incidents.jsonl`` goes (``tracker/incidents.py``); default: ``log_dir`` with the ``jsonl`` backend,
     else no file (the console line only)."""
 
+    device_memory: bool = True
+    """Read this rank's device memory at each log step (``memory/*``) and start the next interval's peaks there
+    (``torch.cuda.reset_peak_memory_stats``). False inside a loop that reports the peaks itself (Megatron's own:
+    resetting them would change its numbers)."""
     ignore_index: int = -100
     """Label value of padding, when tokens are counted from ``labels``."""
 

@@ -212,7 +212,8 @@ def format_incident(incident: Mapping[str, Any]) -> str:
         top = samples[0]
         dataset = top.get("dataset", top.get("dataset_id"))
         ratio = top.get("loss_over_step")
-        text += f"; top sample {top.get('sample_index')} (dataset {dataset}, loss {_number(top['loss'])}, " \
+        named = f"dataset {dataset}, " if dataset is not None else ""  # no dataset ids: nothing to name
+        text += f"; top sample {top.get('sample_index')} ({named}loss {_number(top['loss'])}, " \
                 + (f"{ratio:.3g}x its step's typical loss, " if ratio is not None else "") + f"step {top['step']})"
         if nonfinite:
             text += f"; {nonfinite} non-finite sample{'s' if nonfinite > 1 else ''}"

@@ -71,8 +71,9 @@ class RankStates(Metric):
 
     every_rank_counts = True  # values and memory of every rank count
 
-    def __init__(self, device_mesh: Any = None, process_group: Any = None) -> None:
+    def __init__(self, device_mesh: Any = None, process_group: Any = None, device_memory: bool = True) -> None:
         super().__init__(device_mesh, process_group)
+        self.device_memory = device_memory  # False: memory is not read (the states stay -inf: no memory keys)
         for name in ("nonfinite_loss_steps", "nonfinite_grad_norm_steps", "skipped_steps", "grad_norm", "learning_rate",
                      "num_zeros_in_grad", *(f"memory_{field}" for field in MEMORY_FIELDS)):
             self.add_state(name, "max")
@@ -101,7 +102,7 @@ class RankStates(Metric):
 
     def before_sync(self) -> None:
         """This rank's memory at the log step."""
-        memory = read_device_memory()
+        memory = read_device_memory() if self.device_memory else None
         if memory is not None:
             for field in MEMORY_FIELDS:
                 self._assign(f"memory_{field}", float(getattr(memory, field)))

@@ -230,7 +230,8 @@ class MetricsTracker:
         health = [self._layer_norms] if self._layer_norms is not None else []
         pieces = calculate_each([*self.user_metrics, *health, *own])  # the one sync; each metric's own results
         self._metric_losses.reset()  # the synced metrics were reset: their counts start again at 0
-        reset_peak_memory()
+        if self.config.device_memory:
+            reset_peak_memory()
         tracker_part = merge_results((type(m).__name__, r) for m, r in pieces if any(m is o for o in own))
         metrics_part = merge_results((type(m).__name__, r) for m, r in pieces if not any(m is o for o in own))
         if keys.LOSS in tracker_part and keys.LOSS in metrics_part and tracker_part.get(keys.NONFINITE_LOSS_STEPS):
@@ -358,7 +359,7 @@ class MetricsTracker:
                                     self.device_mesh, self.process_group)
             throughput.restart(self.consumed_tokens)
             self._own = (StepLoss(self.device_mesh, self.process_group),
-                         RankStates(self.device_mesh, self.process_group), throughput)
+                         RankStates(self.device_mesh, self.process_group, self.config.device_memory), throughput)
         return self._own
 
     def _note_precision(self) -> None:
