@@ -3,10 +3,11 @@
 ``instrument()`` without a model and ``pretrain(..., metrics.wrap(forward_step), **metrics.pretrain_hooks())``, driven
 by the kit's line-for-line mirror of Megatron-LM's ``train()`` (``kit/megatron_lm.py``, tag ``core_v0.16.1``: its
 ``train_step``, ``training_log``, ``evaluate_and_print_results`` and ``megatron.training``'s writers, last rank
-only) over real megatron-core (schedules, DDP, optimizer, ``finalize_model_grads``) on forked CPU ranks: four
-iterations, TensorBoard every second one, the console every one, an evaluation after the second, and in the fourth
-a planted bad sample (its logits scaled up: a huge loss, a loss spike). Each layout runs the same loop three times in
-one worker — without the plugin, with the plugin and nothing turned on, with everything on (``layer_norms``,
+only) over real megatron-core (schedules, DDP, optimizer, ``finalize_model_grads``) on forked CPU ranks: a run
+resumed at iteration 10 (Megatron's ``args.iteration`` and ``consumed_train_samples``) for four iterations,
+TensorBoard every second one, the console every one, an evaluation after every second, and in the last a planted
+bad sample (its logits scaled up: a huge loss, a loss spike). Each layout runs the same loop three times in one
+worker — without the plugin, with the plugin and nothing turned on, with everything on (``layer_norms``,
 ``incidents``, ``position_buckets``, MoE routing) — and every check reads those runs:
 
 * the per-dataset loss-report keys Megatron-LM writes, the per-layer norms, the position buckets' keys and the MoE
@@ -61,10 +62,14 @@ MOE_SPEC = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_si
 MOE = MoESpec(num_experts=4, topk=2, aux_loss_coeff=0.0, z_loss_coeff=None)
 TRUE_VOCAB = 60
 GROUPS = ("web", "code", "math")  # kit.megatron_gpt.BLEND_IDS: the dataset_id of each sample
-ITERS, EVAL_INTERVAL, LR = 4, 2, 1e-3  # iterations; an evaluation (of the next validation batch) every second one
+# A resumed run (Megatron's args.iteration and consumed_train_samples from its checkpoint): iterations 11 to 14, so
+# that iterations and sample indices are seen to be Megatron's, not counted by the plugin from its own start.
+START, ITERS = 10, 4
+RUN = range(START + 1, START + ITERS + 1)  # the iterations the run logs
+EVAL_INTERVAL, LR = 2, 1e-3  # an evaluation (of the next validation batch) after every second iteration
 TENSORBOARD_INTERVAL, LOG_INTERVAL = 2, 1
 MICRO_BATCH, GLOBAL_BATCH = 2, 8
-PLANT_AT, PLANTED_ROW, MARK, LOGIT_SCALE = 4, 5, 7, 100.0  # iteration, row of its global batch, its token, the scale
+PLANT_AT, PLANTED_ROW, MARK, LOGIT_SCALE = 14, 5, 7, 100.0  # iteration, row of its global batch, its token, the scale
 POSITION_BUCKETS, POSITION_EDGES = 2, (0, 4, 8)
 RTOL = 1e-5
 TIMEOUT = 300
@@ -139,7 +144,8 @@ def _args(moe: bool, run_dir: str, release: str = "core_v0.16.1") -> MegatronLMA
     spec = _spec(moe)
     fields = dict(release=release, micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                   seq_length=spec.max_sequence_length,
-                  train_iters=ITERS, lr=LR, eval_interval=EVAL_INTERVAL, eval_iters=1, log_interval=LOG_INTERVAL,
+                  iteration=START, consumed_train_samples=START * GLOBAL_BATCH, train_iters=START + ITERS, lr=LR,
+                  eval_interval=EVAL_INTERVAL, eval_iters=1, log_interval=LOG_INTERVAL,
                   tensorboard_log_interval=TENSORBOARD_INTERVAL, log_validation_ppl_to_tensorboard=True,
                   tensorboard_dir=run_dir, wandb_project="recorded", num_layers=spec.num_layers)
     if moe:
@@ -180,7 +186,8 @@ def _run_loop(case: Case, forward_step: Callable, hooks: dict, args: MegatronLMA
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), count_collectives() as counted:
         train(forward_step, chunks, optimizer, constant_lr_scheduler(optimizer, args),
-              train_data_iterator(chunks, _batch_of(case.moe)), train_data_iterator(chunks, _valid_of(case.moe)),
+              train_data_iterator(chunks, _batch_of(case.moe), first_iteration=START),
+              train_data_iterator(chunks, _valid_of(case.moe)),
               hooks.get("process_non_loss_data_func"), get_model_config(chunks[0]), hooks.get("non_loss_data_func"),
               after_iteration=after_iteration)
     return {"scalars": writers.tensorboard.scalars if writers.tensorboard else None,
@@ -269,7 +276,7 @@ def _reference_worker(moe: bool, run_dir: str) -> dict:
 
     def measure(chunks: list, iteration: int) -> None:
         model = chunks[0].module
-        if iteration < ITERS:
+        if iteration < START + ITERS:
             want["train"][iteration + 1] = reference_metrics(spec, _batch_of(moe)(iteration), TRUE_VOCAB, GROUPS,
                                                              model=model, position_edges=POSITION_EDGES)
         if iteration in EVALUATED:  # the n-th evaluation reads the n-th validation batch
@@ -281,7 +288,7 @@ def _reference_worker(moe: bool, run_dir: str) -> dict:
 
     with cpu_cuda_shim():
         # The first iteration's weights are the built model's (layout-independent: the same in every build).
-        measure(build_trained_gpt(spec, lr=LR, moe=MOE if moe else None)[0], 0)
+        measure(build_trained_gpt(spec, lr=LR, moe=MOE if moe else None)[0], START)
         args = _args(moe, run_dir)
         _run_loop(Case(Layout(), moe=moe), _routing_step(moe, want, args), {}, args,
                   Probes(before_step=before_step, after_iteration=measure))
@@ -328,8 +335,8 @@ def _by_key(records: list) -> dict[str, dict[int, float]]:
 
 REPORT_KEYS = ["accuracy", "logprob", "entropy"] + [f"{k}/{g}" for k in ("accuracy", "logprob", "entropy")
                                                      for g in GROUPS]
-LOGGED = range(TENSORBOARD_INTERVAL, ITERS + 1, TENSORBOARD_INTERVAL)  # the iterations TensorBoard is written at
-EVALUATED = list(range(EVAL_INTERVAL, ITERS + 1, EVAL_INTERVAL))  # the iterations an evaluation follows
+LOGGED = [i for i in RUN if i % TENSORBOARD_INTERVAL == 0]  # the iterations TensorBoard is written at
+EVALUATED = [i for i in RUN if i % EVAL_INTERVAL == 0]  # the iterations an evaluation follows
 
 
 def _plugin_key(key: str) -> bool:
@@ -393,8 +400,8 @@ def _check_megatron_console(tensorboard: dict, printed: str, release: str) -> No
     """Megatron's console line at every iteration: its averages when > 0 (core_v0.16.1: never a log-prob, nor an
     accuracy of 0) or >= 0 (core_v0.19.0)."""
     lines = [line for line in printed.splitlines() if " iteration " in line and "consumed samples" in line]
-    assert [int(re.search(r"iteration +(\d+)/", line).group(1)) for line in lines] == list(range(1, ITERS + 1))
-    for iteration, line in enumerate(lines, start=1):
+    assert [int(re.search(r"iteration +(\d+)/", line).group(1)) for line in lines] == list(RUN)
+    for iteration, line in zip(RUN, lines):
         shown = dict(re.findall(r"\| ([^|:]+): (\S+) (?=\|)", line))
         for key in ["lm loss", *REPORT_KEYS]:
             if iteration in tensorboard[key]:  # the interval's average is the iteration's value (log interval 1)
@@ -407,7 +414,7 @@ def _check_step_health_console(tensorboard: dict, printed: str) -> None:
     """The plugin's step-health line beside Megatron's, at every iteration (log interval 1)."""
     health = [line for line in printed.splitlines() if "step health at iteration" in line]
     assert [int(re.search(r"step health at iteration (\d+)", line).group(1)) for line in health] == \
-        list(range(1, ITERS + 1)), health
+        list(RUN), health
     for line in health:
         iteration = int(re.search(r"at iteration (\d+)", line).group(1))
         if iteration in tensorboard[keys.GRAD_NORM_TOTAL]:
@@ -460,7 +467,7 @@ def _check_incident(run_dir, printed: str, case: Case) -> None:
     assert [incident["step"] for incident in incidents] == [PLANT_AT], incidents
     (incident,) = incidents
     assert "loss_spike" in incident["reasons"], incident
-    index = (PLANT_AT - 1) * GLOBAL_BATCH + PLANTED_ROW  # consumed before the step + its row
+    index = (PLANT_AT - 1) * GLOBAL_BATCH + PLANTED_ROW  # consumed before the step (a resumed run's too) + its row
     top = incident["samples"][0]
     assert (top["sample_index"], top["dataset_id"], top["dataset"]) == \
         (index, BLEND_IDS[PLANTED_ROW], GROUPS[BLEND_IDS[PLANTED_ROW]]), incident
@@ -495,4 +502,4 @@ def _check_collectives(per_rank: list) -> None:
         added = [e - n for e, n in zip(runs["everything"]["collectives"], runs["nothing"]["collectives"])]
         normal = added[0]
         assert 0 < normal <= 2, (rank, added)
-        assert added == [normal] * (PLANT_AT - 1) + [normal + 1], (rank, added)
+        assert added == [normal if iteration != PLANT_AT else normal + 1 for iteration in RUN], (rank, added)
