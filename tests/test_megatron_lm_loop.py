@@ -236,8 +236,9 @@ def _norms(chunks: list) -> dict[str, tuple[float, float]]:
 
 
 def _routing_counts(chunks: list, counts: dict, args: MegatronLMArgs) -> None:
-    """Hooks on every router: the tokens each training call routes to each expert (its own ``routing_map``), summed
-    per iteration and layer; evaluation calls (autograd off) left out."""
+    """Hooks on every router: per iteration and layer, the tokens each training call routes to each expert (its own
+    ``routing_map``) and the sum of each token's routing entropy ``H(softmax(z_t))`` of its logits (the router's own
+    ``gating``), float64; evaluation calls (autograd off) left out."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     for chunk in chunks:  # world 1: the local layer numbers are the global ones
@@ -245,25 +246,43 @@ def _routing_counts(chunks: list, counts: dict, args: MegatronLMArgs) -> None:
             if isinstance(module, TopKRouter):
                 layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
 
-                def count(module, args_, output, layer=layer):
-                    if torch.is_grad_enabled():
-                        per_layer = counts.setdefault(args.curr_iteration + 1, {})
-                        per_layer[layer] = per_layer.get(layer, 0) + output[1].sum(0).double()
+                def count(module, inputs, output, layer=layer):
+                    if not torch.is_grad_enabled():
+                        return
+                    with torch.no_grad():
+                        logits = module.gating(inputs[0]).double().reshape(-1, MOE.num_experts)
+                    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+                    routed, entropies = counts.setdefault(args.curr_iteration + 1, {}).setdefault(layer, ([], []))
+                    routed.append(output[1].sum(0).double())
+                    entropies.append(entropy)
 
                 module.register_forward_hook(count)
 
 
-def _moe_expected(per_layer: dict[int, torch.Tensor]) -> dict[str, float]:
-    """docs/moe.md's keys from the routers' maps: ``n_e`` per layer, balanced load ``b = T·k/E``."""
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    ordered, position = sorted(values), q * (len(values) - 1)
+    low = int(math.floor(position))
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
+
+
+def _moe_expected(per_layer: dict[int, tuple[list, list]]) -> dict[str, float]:
+    """docs/moe.md's keys from the routers' maps and logits: ``n_e`` per layer, balanced load ``b = T·k/E``."""
     tokens = GLOBAL_BATCH * MOE_SPEC.max_sequence_length
     balanced = tokens * MOE.topk / MOE.num_experts
-    layers = [per_layer[i] for i in sorted(per_layer)]
+    layers = [torch.stack(per_layer[i][0]).sum(0) for i in sorted(per_layer)]
+    entropies = [torch.cat(per_layer[i][1]) for i in sorted(per_layer)]
+    assert all(len(h) == tokens for h in entropies)
     imbalance = [float(n.max() / balanced) for n in layers]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
     return {"moe/layers": len(layers), "moe/tokens": float(tokens),
             "moe/utilization_min": min(float(n.min() / balanced) for n in layers),
-            "moe/utilization_cv": sum(float(n.std(unbiased=False) / n.mean()) for n in layers) / len(layers),
-            "moe/dead_expert_fraction": sum(float((n == 0).double().mean()) for n in layers) / len(layers),
-            "moe/imbalance_mean": sum(imbalance) / len(imbalance), "moe/imbalance_max": max(imbalance),
+            "moe/utilization_cv": mean([float(n.std(unbiased=False) / n.mean()) for n in layers]),
+            "moe/dead_expert_fraction": mean([float((n == 0).double().mean()) for n in layers]),
+            "moe/routing_entropy_norm": mean([float(h.mean().exp()) / MOE.num_experts for h in entropies]),
+            "moe/imbalance_mean": mean(imbalance), "moe/imbalance_max": max(imbalance),
+            "moe/imbalance_p50": _percentile(imbalance, 0.5), "moe/imbalance_p90": _percentile(imbalance, 0.9),
             "moe/imbalance_worst_layer": imbalance.index(max(imbalance))}
 
 
