@@ -77,12 +77,15 @@ TIMEOUT = 300
 
 @dataclass(frozen=True)
 class Case:
-    """One layout's run: its parallel sizes, the distributed optimizer, MoE layers (with expert parallelism)."""
+    """One layout's run: its parallel sizes, the distributed optimizer, MoE layers (with expert parallelism), and the
+    planted bad sample: its row and how it is bad (huge logits, or NaN embeddings: :func:`plant_bad_sample`)."""
 
     layout: Layout
     distributed_optimizer: bool = False
     ep: int = 1
     moe: bool = False
+    planted_row: int = PLANTED_ROW
+    nan: bool = False
 
     def __str__(self) -> str:
         ep = f"-ep{self.ep}" if self.ep > 1 else ""
@@ -100,15 +103,15 @@ def _spec(moe: bool) -> GPTSpec:
     return MOE_SPEC if moe else SPEC
 
 
-def _batch_of(moe: bool) -> Callable[[int], dict]:
+def _batch_of(moe: bool, planted_row: int = PLANTED_ROW) -> Callable[[int], dict]:
     """The global batch of (0-based) training iteration ``i``, logged at ``i + 1``; the one logged at PLANT_AT has
-    its row PLANTED_ROW made of MARK tokens (what the planted logits hook recognises)."""
+    its row ``planted_row`` made of MARK tokens (what the planted sample's hooks recognise)."""
     spec = _spec(moe)
 
     def batch_of(i: int) -> dict:
         batch = blended_batch(spec, TRUE_VOCAB, GLOBAL_BATCH, seed=20 + i)
         if i + 1 == PLANT_AT:
-            batch["tokens"][PLANTED_ROW] = MARK
+            batch["tokens"][planted_row] = MARK
         return batch
 
     return batch_of
@@ -119,11 +122,16 @@ def _valid_of(moe: bool) -> Callable[[int], dict]:
     return lambda i: blended_batch(spec, TRUE_VOCAB, GLOBAL_BATCH, seed=100 + i)
 
 
-def plant_bad_sample(chunks: list) -> None:
+def plant_bad_sample(chunks: list, nan: bool = False) -> None:
     """The model, on every layout alike: a row whose input tokens are all MARK gets its logits scaled by LOGIT_SCALE
-    (device ops only), a huge loss. Hooks of this rank's last-stage GPTModel, registered before the plugin's."""
+    (a huge loss; hooks of this rank's last-stage GPTModel, registered before the plugin's), or with ``nan`` NaN
+    embeddings (a NaN loss; a hook of the first stage's embedding). Device ops only."""
     for chunk in chunks:
         gpt = chunk.module
+        if nan:
+            if gpt.pre_process:
+                gpt.embedding.register_forward_hook(_nan_embeddings, with_kwargs=True)
+            continue
         if not gpt.post_process:
             continue
         marked: dict[str, torch.Tensor] = {}
@@ -138,6 +146,12 @@ def plant_bad_sample(chunks: list) -> None:
 
         gpt.register_forward_pre_hook(capture, with_kwargs=True)
         gpt.output_layer.register_forward_hook(scale)
+
+
+def _nan_embeddings(module, args, kwargs, output):
+    """NaN for every token of a row whose input tokens are all MARK (the output is ``[s, b, h]``)."""
+    planted = (kwargs.get("input_ids", args[0] if args else None) == MARK).all(-1)  # input_ids [b, s]
+    return torch.where(planted[None, :, None], torch.full_like(output, float("nan")), output)
 
 
 def _args(moe: bool, run_dir: str, release: str = "core_v0.16.1") -> MegatronLMArgs:
@@ -172,7 +186,7 @@ def _run_loop(case: Case, forward_step: Callable, hooks: dict, args: MegatronLMA
     writers = install_megatron_training(args)
     chunks, optimizer = build_trained_gpt(_spec(case.moe), distributed_optimizer=case.distributed_optimizer, lr=LR,
                                           moe=MOE if case.moe else None)
-    plant_bad_sample(chunks)
+    plant_bad_sample(chunks, case.nan)
     if probes.before_step is not None:
         step = optimizer.step
         optimizer.step = lambda: probes.before_step(chunks, args.curr_iteration + 1) or step()
@@ -186,7 +200,7 @@ def _run_loop(case: Case, forward_step: Callable, hooks: dict, args: MegatronLMA
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), count_collectives() as counted:
         train(forward_step, chunks, optimizer, constant_lr_scheduler(optimizer, args),
-              train_data_iterator(chunks, _batch_of(case.moe), first_iteration=START),
+              train_data_iterator(chunks, _batch_of(case.moe, case.planted_row), first_iteration=START),
               train_data_iterator(chunks, _valid_of(case.moe)),
               hooks.get("process_non_loss_data_func"), get_model_config(chunks[0]), hooks.get("non_loss_data_func"),
               after_iteration=after_iteration)
@@ -522,3 +536,33 @@ def _check_collectives(per_rank: list) -> None:
         normal = added[0]
         assert 0 < normal <= 2, (rank, added)
         assert added == [normal if iteration != PLANT_AT else normal + 1 for iteration in RUN], (rank, added)
+
+
+# ------------------------------------------------------------------ a NaN sample
+
+
+def _nan_worker(case: Case, run_dir: str) -> dict:
+    with cpu_cuda_shim():
+        metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS, layer_norms=True, incidents=True)
+        return _run_loop(case, metrics.wrap(gpt_forward_step), metrics.pretrain_hooks(), _args(False, run_dir))
+
+
+def test_a_nan_sample_is_named_by_its_sampler_index_on_the_second_data_parallel_rank(tmp_path):
+    """NaN embeddings for one sample (microbatch 1, DP rank 1, its first sample) in Megatron-LM's loop: Megatron's
+    loss and grad norm are NaN at that iteration, the plugin flags it and names the sample: consumed + m·b·dp +
+    r·b + j."""
+    case = Case(Layout(pp=2, dp=2), planted_row=6, nan=True)  # row 6: microbatch 1 of DP rank 1, sample 0
+    per_rank = run_distributed(_nan_worker, layout=case.layout, args=(case, str(tmp_path)), timeout=TIMEOUT)
+    tensorboard = _by_key(per_rank[-1]["scalars"])
+    assert math.isnan(tensorboard["lm loss"][PLANT_AT]) and math.isnan(tensorboard["grad-norm"][PLANT_AT])
+    assert tensorboard[keys.NONFINITE_LOSS_STEPS] == {iteration: float(iteration == PLANT_AT) for iteration in LOGGED}
+    incidents = [json.loads(line) for line in (tmp_path / "incidents.jsonl").read_text().splitlines()]
+    assert [incident["step"] for incident in incidents] == [PLANT_AT], incidents
+    (incident,) = incidents
+    assert "nonfinite_loss" in incident["reasons"], incident
+    index = (PLANT_AT - 1) * GLOBAL_BATCH + 1 * MICRO_BATCH * 2 + 1 * MICRO_BATCH + 0
+    assert index == (PLANT_AT - 1) * GLOBAL_BATCH + 6
+    top = incident["samples"][0]
+    assert (top["sample_index"], top["dataset"]) == (index, GROUPS[BLEND_IDS[6]]), incident
+    assert [s["sample_index"] for s in incident["samples"] if s["loss"] is None or s["loss"] != s["loss"]] == [index]
+    assert read_skip_list(str(tmp_path)) == {index}
