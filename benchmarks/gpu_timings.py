@@ -13,8 +13,10 @@ Run: ``python benchmarks/gpu_timings.py [--tokens 8192] [--vocab 32768,65536,131
    ``vocab_parallel_cross_entropy`` (time and peak memory of forward + backward, fp32 and bf16);
 2. **train** -- ``examples/train_gpt.py`` under ``torchrun`` on this GPU (TE layers when TE is installed), its
    tracker's CUDA-event step times, throughput, MFU and memory statistics from its JSONL log; then
-   ``step_overhead.py``: the same megatron-core steps with and without ``instrument()`` (and with
-   ``fused_loss=True``), interleaved, per-step overhead and peak memory.
+   ``step_overhead.py`` (the one step-overhead harness, which ``make bench`` runs on CPU ranks): the same
+   megatron-core steps (Megatron's DDP and Adam) with and without ``instrument()`` (torch loop, Triton kernel,
+   ``fused_loss=True``), interleaved, per-step overhead (median ratio to the plain block of the same round) and
+   peak memory.
 
 Goals printed next to the numbers: kernel >= 80 % of copy bandwidth, >= 3x the torch path, step overhead
 <= 1 % (hidden 2048). A missed goal does not change the exit status; a section that crashes, or a training

@@ -52,18 +52,21 @@ ARGMAX_ONLY_BUDGET = 38
 # tensor), the ragged lists laid by a gather from zero-bordered rows (3 ops, was 8 and 4 more for a number
 # among them, which the host knows is absent) and the clip counts reading the ratio the terms computed.
 # Each includes one AND per ragged per-sequence array (old_logps, advantages): a sequence whose array does not fit
-# its tokens is left out of the view's mask (metric/inputs/view.py), never filled with invented values.
-GRPO_FAMILY_BUDGET = {"GRPOMetric": 49, "GSPOMetric": 63, "CISPOMetric": 45, "PPOMetric": 49}
+# its tokens is left out of the view's selected tokens (metric/inputs/view.py), never filled with invented values.
+# GSPO was 63 while each of its three per-sequence clip counts was multiplied by the counting CP rank's weight; the
+# sequences it counts are now gated once (metric/tokens/sequence_totals.py: counts_sequences_here).
+GRPO_FAMILY_BUDGET = {"GRPOMetric": 49, "GSPOMetric": 61, "CISPOMetric": 45, "PPOMetric": 49}
 # bench_accumulate.py's eight metrics in one collection: the family (its per-token terms and their totals made
 # once per call for the four, each then adding its own clip counts: GRPOMetric._token_terms), Accuracy's
-# argmax-only pass, LossMetric, TrainMetric, CompletionRewardMetric (its reward names folded into their states
+# argmax-only pass, LossMetric, TrainMetric, CompletionRewardMetric (its reward names written into their states
 # only when a new name comes). Python numbers (the learning rate, the grad norm, rewards, lengths and times as
 # lists) are added on the host until the sync (metric/state/pending.py): no op. Was 527, then 214 plus one per
 # sequence, then 206, then 143 before LossMetric's finiteness test of its loss took 2 ops, not 4, then 141
-# before it kept its loss (a device value) as a copy until the sync: 1 op; 135 with the misaligned-array rule.
+# before it kept its loss (a device value) as a copy until the sync: 1 op; 135 with the misaligned-array rule, 133
+# since GSPO gates the sequences it counts once (see GRPO_FAMILY_BUDGET).
 EIGHT_METRICS = ("Accuracy", "LossMetric", "TrainMetric", "GRPOMetric", "GSPOMetric", "CISPOMetric", "PPOMetric",
                  "CompletionRewardMetric")
-EIGHT_METRICS_BUDGET = 135
+EIGHT_METRICS_BUDGET = 133
 
 
 @pytest.fixture

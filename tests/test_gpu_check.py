@@ -172,8 +172,9 @@ def _overhead_worker(spec_kwargs: dict) -> dict:
 
 @needs_interpreter
 def test_step_overhead_harness_on_a_cpu_rank() -> None:
-    """Real GPTModel steps through Megatron's schedule: plain, instrumented with the torch loop, instrumented
-    with the (interpreted) Triton kernel on the [s, b, v] logits of the output layer."""
+    """Real GPTModel steps (Megatron's DDP and Adam) through Megatron's schedule: plain, instrumented with the torch
+    loop, instrumented with the (interpreted) Triton kernel on the [s, b, v] logits of the output layer, the fused
+    loss."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("triton", reason="Triton is not installed (`make kernel-test` installs it)")
     from twinkle_megatron.testing.distributed import Layout, run_distributed
@@ -182,7 +183,7 @@ def test_step_overhead_harness_on_a_cpu_rank() -> None:
                 vocab_size=100, steps_per_block=1, rounds=2, warmup=0, te=False)
     out = run_distributed(_overhead_worker, layout=Layout(), args=(spec,), timeout=300)[0]
     results = out["results"]
-    assert set(results) == {"plain", "instrumented (torch)", "instrumented (triton)", "instrumented (fused loss)"}
+    assert set(results) == {"plain", "plugin (torch)", "plugin (triton)", "fused loss"}
     for mode, (seconds, metrics) in results.items():
         assert len(seconds) == 2 and all(s > 0 for s in seconds), mode
         if mode == "plain":
@@ -235,6 +236,6 @@ def test_gpu_sections_dry_run_on_cpu() -> None:
     configs = set(gpu_timings.SWEEP) | {launch_config(256, 2)}
     assert sum(c.startswith("local pass block=") for c in checks) == len(configs)
     assert len(facts["speedups"]) == 1 and facts["speedups"][0] > 0 and facts["copy_bandwidth"] > 0
-    assert sum(r.section == "correctness" and r.check.startswith("metrics of the instrumented") for r in rows) == 3
+    assert sum(r.section == "correctness" and r.check.startswith("metrics of the ") for r in rows) == 3
     assert exit_code(rows) == 0
     print(format_table(rows))

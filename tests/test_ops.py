@@ -219,32 +219,32 @@ def test_the_local_pass_keeping_the_exponentials(dtype: torch.dtype) -> None:
     and the padding's share are relative to it; the label's logit is read wherever the label's column is local."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randint(-3, 4, (11, 300), generator=gen).to(dtype)  # many ties
-    n_valid = 290
+    n_real = 290
     x[0, 295] = 9.0  # a padding column above every real one
     x[1, 289] = 8.0  # the last real column
     labels = torch.tensor([295, 289, -5, 0, 300, 17, 299, 290, 3, 4, 5])
     plain_stats = torch.zeros(3, 11)
-    plain = torch_local_pass(x, n_valid, labels, plain_stats, torch.float32, 3, True)
+    plain = torch_local_pass(x, n_real, labels, plain_stats, torch.float32, 3, True)
     rows = x.clone()
     exps = rows if dtype == torch.float32 else torch.empty(rows.shape)
     stats = torch.zeros(4, 11)
-    kept = torch_local_pass(rows, n_valid, labels, stats, torch.float32, 3, True, exps=exps)
+    kept = torch_local_pass(rows, n_real, labels, stats, torch.float32, 3, True, exps=exps)
 
-    real = x[:, :n_valid].double()
+    real = x[:, :n_real].double()
     assert torch.equal(kept.max, plain.max) and torch.equal(kept.max.double(), real.amax(-1))
     assert torch.equal(kept.column, plain.column) and torch.equal(kept.column, real.argmax(-1))
     reference = x.double().amax(-1, keepdim=True)
     assert torch.equal(kept.reference.double(), reference[:, 0]) and kept.reference[0] == 9.0
     e = (x.double() - reference).exp()
     torch.testing.assert_close(exps.double(), e, rtol=1e-6, atol=0)
-    torch.testing.assert_close(stats[0].double(), e[:, :n_valid].sum(-1), rtol=1e-6, atol=0)
-    torch.testing.assert_close(stats[1].double(), (e * (x.double() - reference))[:, :n_valid].sum(-1), rtol=1e-6,
+    torch.testing.assert_close(stats[0].double(), e[:, :n_real].sum(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats[1].double(), (e * (x.double() - reference))[:, :n_real].sum(-1), rtol=1e-6,
                                atol=1e-6)
-    torch.testing.assert_close(stats[3].double(), e[:, n_valid:].sum(-1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats[3].double(), e[:, n_real:].sum(-1), rtol=1e-6, atol=0)
     owned = (labels >= 0) & (labels < 300)
     label_logit = torch.where(owned, x.float().gather(1, labels.clamp(0, 299)[:, None])[:, 0], torch.tensor(0.0))
     assert torch.equal(stats[2], label_logit)
-    assert torch.equal(plain_stats[2], torch.where(labels < n_valid, label_logit, torch.tensor(0.0)))
+    assert torch.equal(plain_stats[2], torch.where(labels < n_real, label_logit, torch.tensor(0.0)))
 
 
 def test_nonfinite_token_is_isolated() -> None:

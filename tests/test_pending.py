@@ -156,7 +156,7 @@ def test_twinkles_host_values_cost_no_op_and_equal_the_same_values_as_tensors():
                           lr=torch.tensor([1e-4, 2e-5], dtype=torch.float64), step=8, grad_norm=torch.tensor(0.5),
                           rewards={"format": torch.tensor([1.0, 0.0, math.nan]), "score": torch.tensor([0.5, 0.25])},
                           completion_lengths=torch.tensor([10, 20, 30]), generate_time=2.0)
-    # The first call folds the reward names into their states (each new name once); the calls after it, none.
+    # The first call writes the reward names into their states (each new name once); the calls after it, none.
     assert launches[1:] == [0, 0], launches
     results, expected = host.calculate(), device.calculate()
     timings = ("total time elapse", "speed")

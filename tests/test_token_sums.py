@@ -1,4 +1,4 @@
-"""A microbatch's sums and maxima folded into their states together (``Metric._add_token_sums``,
+"""A microbatch's sums and maxima applied to their states together (``Metric._add_token_sums``,
 ``_maximum_token_values``): the states equal a token-by-token float64 reference, in a fixed number of ops."""
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def test_state_dict_continues_steps_totals_and_ema():
     resumed.end_step(loss=1.0, tokens=5)
     record = resumed.end_step(loss=1.0, tokens=5)
     assert resumed.last_step == 6 and record["train/consumed_tokens"] == 30
-    weight = 1 - 0.9 ** 2  # the interval of two steps folded in with the weight of two per-step updates
+    weight = 1 - 0.9 ** 2  # the interval of two steps blended in with the weight of two per-step updates
     assert record["train/loss_ema"] == pytest.approx(weight * 1.0 + (1 - weight) * 3.0)
 
 

@@ -211,20 +211,20 @@ def test_block_structure_edge_cases(dtype: torch.dtype, tiny_blocks) -> None:
 def test_local_outputs_match_the_torch_loop(tiny_blocks) -> None:
     """The kernel's own outputs: local max bit for bit, first column, label logit; S0, S1 vs float64."""
     x, names = adversarial_rows()
-    n_valid = 93  # the last 7 columns are padding, never read
-    x[:, n_valid:] = float("nan")
+    n_real = 93  # the last 7 columns are padding, never read
+    x[:, n_real:] = float("nan")
     labels = torch.tensor([(i * 37) % 110 - 5 for i in range(x.shape[0])])
     stats = torch.zeros(3, x.shape[0], device=DEVICE)
-    local_max, local_col = tts.triton_local_pass(on_device(x), n_valid, on_device(labels), stats, True)
+    local_max, local_col = tts.triton_local_pass(on_device(x), n_real, on_device(labels), stats, True)
     ref_stats = torch.zeros(3, x.shape[0])
-    ref_max, ref_col, _ = torch_local_pass(x, n_valid, labels, ref_stats, torch.float32, None, True)
+    ref_max, ref_col, _ = torch_local_pass(x, n_real, labels, ref_stats, torch.float32, None, True)
     local_max, local_col, stats = local_max.cpu(), local_col.cpu(), stats.cpu()
     assert torch.equal(local_col, ref_col), [(n, int(a), int(b)) for n, a, b in zip(names, local_col, ref_col)
                                              if a != b]
     nan = torch.isnan(ref_max)
     assert torch.equal(torch.isnan(local_max), nan) and torch.equal(local_max[~nan], ref_max[~nan])
     torch.testing.assert_close(stats[2], ref_stats[2], rtol=0, atol=0, equal_nan=True)  # a NaN label logit too
-    real = x[:, :n_valid].double()
+    real = x[:, :n_real].double()
     finite = torch.isfinite(real).all(-1)
     d = real[finite] - real[finite].amax(-1, keepdim=True)
     assert_close("S0", stats[0][finite], d.exp().sum(-1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch.distributed as dist
 
@@ -89,14 +89,11 @@ class MetricsLogger:
         self.first_step = first_step
         if self._last_logged is not None:
             self._last_logged = min(self._last_logged, first_step - 1)  # what is kept ends before first_step
-        for backend in self._opened:
-            if id(backend) in self._disabled:
-                continue
-            try:
-                backend.close()
-                backend.open(RunStart(first_step=first_step, config=self.config, log_dir=self.log_dir, restart=True))
-            except Exception as error:  # noqa: BLE001 - a logging failure must never stop training
-                self._disable(backend, error)
+        def reopen(backend: Backend) -> None:
+            backend.close()
+            backend.open(RunStart(first_step=first_step, config=self.config, log_dir=self.log_dir, restart=True))
+
+        self._each_enabled(self._opened, reopen)
 
     def log(self, record: Mapping[str, Any], step: int) -> None:
         """Write ``record`` (numbers only) at ``step`` to every enabled backend."""
@@ -106,29 +103,30 @@ class MetricsLogger:
         if self.first_step is None:
             self.first_step = int(step)
         self._last_logged = int(step)
-        for backend in self.backends:
-            if id(backend) in self._disabled:
-                continue
-            try:
-                if not any(backend is opened for opened in self._opened):
-                    self._opened.append(backend)
-                    backend.open(RunStart(first_step=self.first_step, config=self.config, log_dir=self.log_dir))
-                backend.write(numbers, step)
-            except Exception as error:  # noqa: BLE001 - a logging failure must never stop training
-                self._disable(backend, error)
+
+        def write(backend: Backend) -> None:
+            if not any(backend is opened for opened in self._opened):
+                self._opened.append(backend)
+                backend.open(RunStart(first_step=self.first_step, config=self.config, log_dir=self.log_dir))
+            backend.write(numbers, step)
+
+        self._each_enabled(self.backends, write)
 
     def close(self) -> None:
-        for backend in self._opened:
+        self._each_enabled(self._opened, lambda backend: backend.close())
+        self._opened = []
+
+    def _each_enabled(self, backends: Iterable[Backend], action: Callable[[Backend], None]) -> None:
+        """``action`` on each backend not disabled; one that raises is disabled, with one warning (pointing at the
+        caller of ``log``, ``restart`` or ``close``), and the others carry on: a logging failure never stops
+        training."""
+        for backend in backends:
             if id(backend) in self._disabled:
                 continue
             try:
-                backend.close()
-            except Exception as error:  # noqa: BLE001
-                self._disable(backend, error)
-        self._opened = []
-
-    def _disable(self, backend: Backend, error: Exception) -> None:
-        self._disabled.add(id(backend))
-        backend.abort()  # e.g. end the run it opened, so the user's next run can start
-        warnings.warn(f"logging backend {backend.name!r} failed and is disabled, training continues: "
-                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)
+                action(backend)
+            except Exception as error:  # noqa: BLE001 - a logging failure must never stop training
+                self._disabled.add(id(backend))
+                backend.abort()  # e.g. end the run it opened, so the user's next run can start
+                warnings.warn(f"logging backend {backend.name!r} failed and is disabled, training continues: "
+                              f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=3)

@@ -377,9 +377,9 @@ class MegatronInstrumentation:
         if self.reports is not None:
             # The microbatch's tokens are classified once: for the reports, and handed to the metrics that count
             # the same tokens (the loss mask's, with this ignore_index) through the call.
-            mask, classes = self.reports.loss_mask_tokens(labels, loss_mask, stats)
+            selected, classes = self.reports.loss_mask_tokens(labels, loss_mask, stats)
             groups = self.reports.groups(group_ids, labels, self.context)
-            entries, mistakes = self.reports.of(labels, mask, stats, classes, groups, token_losses)
+            entries, mistakes = self.reports.of(labels, selected, stats, classes, groups, token_losses)
             self._checks.add(mistakes)
         # The loss is Megatron's [sum, count] report: every LossMetric pools it by tokens, whatever its default.
         call = microbatch_call(inputs, outputs, {"loss_reduction": "sum"}, classes, self.ignore_index)

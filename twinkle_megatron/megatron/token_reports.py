@@ -50,7 +50,7 @@ INVALID_LABELS, UNGROUPED_TOKENS = "invalid_labels", "ungrouped_tokens"  # the m
 
 class MicrobatchReport(NamedTuple):
     """One microbatch's report entries and its mistake counts (device float64 scalars by kind: tokens of the loss
-    mask with a label outside the vocabulary; with group names, tokens without a valid group id)."""
+    mask with a label outside the vocabulary; with group names, tokens without a group id in range)."""
 
     entries: dict[str, torch.Tensor]
     mistakes: dict[str, torch.Tensor]
@@ -88,7 +88,7 @@ class TokenReports:
         ids, error = torch.full(labels.shape, -1, dtype=torch.int64, device=labels.device), None
         try:
             own = None if group_ids is None else token_groups(group_ids, labels, count)
-            ids = ids if own is None else torch.where(own.valid, own.ids, -1)
+            ids = ids if own is None else torch.where(own.in_range, own.ids, -1)
         except ValueError as bad:
             error = bad
         dist.broadcast(ids, src=dist.get_global_rank(context.tp_group, 0), group=context.tp_group)
@@ -102,14 +102,15 @@ class TokenReports:
         per-token ``stats``, with ``ignore_index``) and their classes (:func:`.classify_tokens`): made once per
         microbatch, for the reports and (handed on by the instrumentation) the metrics."""
         device = stats.entropy.device
-        mask = token_mask(labels.to(device), None if loss_mask is None else loss_mask.to(device), self.ignore_index)
-        return mask, classify_tokens(stats, mask)
+        selected = token_mask(labels.to(device), None if loss_mask is None else loss_mask.to(device),
+                              self.ignore_index)
+        return selected, classify_tokens(stats, selected)
 
-    def of(self, labels: torch.Tensor, mask: torch.Tensor, stats: TokenStats, classes: TokenClasses,
+    def of(self, labels: torch.Tensor, selected: torch.Tensor, stats: TokenStats, classes: TokenClasses,
            groups: Optional[TokenGroups] = None, token_losses: Optional[torch.Tensor] = None
            ) -> MicrobatchReport:
         """The entries of one microbatch and its mistake counts: ``labels`` shaped like the per-token ``stats``,
-        ``mask`` and ``classes`` from :meth:`loss_mask_tokens`; ``groups`` (per token) and ``token_losses``
+        ``selected`` and ``classes`` from :meth:`loss_mask_tokens`; ``groups`` (per token) and ``token_losses``
         (shaped like ``labels``) for the per-group entries."""
         device = stats.entropy.device
         counted = classes.counted
@@ -117,7 +118,8 @@ class TokenReports:
         # names) tokens without a group id inside the names (none given, or out of range).
         mistakes = {INVALID_LABELS: classes.invalid_label.sum(dtype=torch.float64)}
         if self.group_names:
-            mistakes[UNGROUPED_TOKENS] = (mask if groups is None else mask & ~groups.valid).sum(dtype=torch.float64)
+            ungrouped = selected if groups is None else selected & ~groups.in_range
+            mistakes[UNGROUPED_TOKENS] = ungrouped.sum(dtype=torch.float64)
         zero = torch.zeros((), dtype=stats.entropy.dtype, device=device)
         values = {ACCURACY: counted & (stats.argmax == labels.to(device)),
                   ENTROPY: torch.where(counted, stats.entropy, zero),
@@ -125,21 +127,21 @@ class TokenReports:
         count = counted.sum().to(torch.float64)
         reports = {key: _pair(value.to(torch.float64).sum(), count) for key, value in values.items()}
         if self.group_names:
-            reports.update(self._per_group(values, counted, mask, groups, token_losses, device))
+            reports.update(self._per_group(values, counted, selected, groups, token_losses, device))
         return MicrobatchReport(reports, mistakes)
 
-    def _per_group(self, values: dict, counted: torch.Tensor, mask: torch.Tensor, groups: Optional[TokenGroups],
+    def _per_group(self, values: dict, counted: torch.Tensor, selected: torch.Tensor, groups: Optional[TokenGroups],
                    token_losses: Optional[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         zeros = torch.zeros(len(self.group_names), dtype=torch.float64, device=device)
         sums, counts = {}, {}
         for key, value in values.items():
             sums[key] = groups.sum(value) if groups is not None else zeros
             counts[key] = groups.sum(counted) if groups is not None else zeros
-        losses = None if token_losses is None else token_losses.detach().to(device).reshape(mask.shape)
+        losses = None if token_losses is None else token_losses.detach().to(device).reshape(selected.shape)
         if groups is not None and losses is not None:
-            scored = mask & torch.isfinite(losses)
-            sums[self.loss_key] = groups.sum(torch.where(scored, losses.to(torch.float64), 0.0))
-            counts[self.loss_key] = groups.sum(scored)
+            loss_counted = selected & torch.isfinite(losses)
+            sums[self.loss_key] = groups.sum(torch.where(loss_counted, losses.to(torch.float64), 0.0))
+            counts[self.loss_key] = groups.sum(loss_counted)
         else:
             sums[self.loss_key] = counts[self.loss_key] = zeros
         return {f"{key}/{name}": _pair(sums[key][index], counts[key][index])

@@ -100,8 +100,8 @@ def float64_token_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_size: 
     x = logits[..., :vocab_size].double()
     log_p = torch.log_softmax(x, dim=-1)
     picked = log_p.gather(-1, labels.clamp(0, vocab_size - 1).unsqueeze(-1)).squeeze(-1)
-    valid = torch.isfinite(x).all(-1) & (labels >= 0) & (labels < vocab_size)
-    logprobs = torch.where(labels == IGNORE_INDEX, 0.0, torch.where(valid, picked, math.nan))
+    passes_checks = torch.isfinite(x).all(-1) & (labels >= 0) & (labels < vocab_size)
+    logprobs = torch.where(labels == IGNORE_INDEX, 0.0, torch.where(passes_checks, picked, math.nan))
     return TokenStats(x.argmax(-1), logprobs, -(log_p.exp() * log_p).sum(-1))
 
 

@@ -53,7 +53,7 @@ ACCELERATOR_CHUNK_BYTES = 64 << 20
 class Shard:
     """Where this rank's columns sit in the global vocabulary."""
 
-    __slots__ = ("group", "tp", "rank", "v_local", "vocab_size", "start", "n_valid", "padded")
+    __slots__ = ("group", "tp", "rank", "v_local", "vocab_size", "start", "n_real", "padded")
 
     def __init__(self, v_local: int, group: Optional[dist.ProcessGroup], vocab_size: Optional[int]) -> None:
         if v_local <= 0:
@@ -81,7 +81,7 @@ class Shard:
         self.vocab_size = vocab_size
         self.start = rank * v_local
         # Columns at or beyond vocab_size are Megatron's padding: they are never read.
-        self.n_valid = max(0, min(v_local, vocab_size - self.start))
+        self.n_real = max(0, min(v_local, vocab_size - self.start))
         # Whether any rank holds padding columns: a shape, the same on every rank of the group.
         self.padded = vocab_size < v_global
 

@@ -336,17 +336,17 @@ def calculate_local_pass(rows: torch.Tensor, shard: Shard, flat_labels: Optional
     n_tokens, device = rows.shape[0], rows.device
     padding_share = exps is not None and shard.padded  # the sums' reference covers padding columns
     stats = torch.zeros(3 + padding_share, n_tokens, dtype=cdtype, device=device) if need_sums else None
-    if shard.n_valid == 0 and exps is None:  # this rank holds only padding columns
+    if shard.n_real == 0 and exps is None:  # this rank holds only padding columns
         return LocalPass(None, torch.full((n_tokens,), key_floor(), dtype=torch.int64, device=device), stats)
     local_labels = flat_labels - shard.start if flat_labels is not None and need_sums else None
     if exps is None and choose_kernel(kernel, rows) == "triton":
-        local_max, local_col = triton_local_pass()(rows, shard.n_valid, local_labels, stats, need_sums)
+        local_max, local_col = triton_local_pass()(rows, shard.n_real, local_labels, stats, need_sums)
         maxima = LocalMaxima(local_max, local_col, local_max)
     else:
-        maxima = torch_local_pass(rows, shard.n_valid, local_labels, stats, cdtype, chunk_size, need_sums, exps)
+        maxima = torch_local_pass(rows, shard.n_real, local_labels, stats, cdtype, chunk_size, need_sums, exps)
     local_max = maxima.max
     if flag_minus_inf:
-        local_max = local_max.masked_fill(rows[:, :shard.n_valid].amin(dim=-1) == float("-inf"), float("nan"))
+        local_max = local_max.masked_fill(rows[:, :shard.n_real].amin(dim=-1) == float("-inf"), float("nan"))
     if not with_keys:
         return LocalPass(local_max.to(cdtype), None, stats, maxima.column + shard.start)
     if local_max is None:  # padding columns only, with kept exponentials: no argmax candidate here

@@ -33,16 +33,16 @@ class LocalMaxima(NamedTuple):
     reference: torch.Tensor
 
 
-def torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[torch.Tensor],
+def torch_local_pass(rows: torch.Tensor, n_real: int, local_labels: Optional[torch.Tensor],
                      stats: Optional[torch.Tensor], cdtype: torch.dtype, chunk_size: Optional[int],
                      need_sums: bool, exps: Optional[torch.Tensor] = None) -> LocalMaxima:
-    """The local pass in torch over the real columns ``rows[:, :n_valid]``.
+    """The local pass in torch over the real columns ``rows[:, :n_real]``.
 
     Returns :class:`LocalMaxima`: the per-token local maximum (``cdtype``), its
     first local column (int64) and the reference (the maximum itself here); with
     ``need_sums`` fills ``stats[0]`` (S0), ``stats[1]`` (S1) and,
     given ``local_labels`` (label − shard start), ``stats[2]``: the label's
-    logit where ``0 <= local_label < n_valid``, else 0. The Triton kernel
+    logit where ``0 <= local_label < n_real``, else 0. The Triton kernel
     (:func:`.triton_token_stats.triton_local_pass`) has the same contract (it
     returns the maximum and the column).
 
@@ -52,18 +52,18 @@ def torch_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[to
     ``rows`` when it is the same buffer: the label's logit and the argmax are read
     first), the label's logit is taken wherever ``0 <= local_label < V_l``, and
     ``stats[3]`` (a fourth row, needed when the shard has padding columns) is
-    ``Σ_{v >= n_valid} e^{x − m_r}``, the padding columns' share.
+    ``Σ_{v >= n_real} e^{x − m_r}``, the padding columns' share.
     """
-    label_columns = n_valid if exps is None else rows.shape[1]
+    label_columns = n_real if exps is None else rows.shape[1]
     if local_labels is not None:  # read before exps may overwrite the rows
         owned = (local_labels >= 0) & (local_labels < label_columns)
         picked = rows.gather(1, local_labels.clamp(0, label_columns - 1).unsqueeze(1)).squeeze(1)
         torch.where(owned, picked.to(cdtype), torch.zeros((), dtype=cdtype, device=rows.device), out=stats[2])
-    return _local_pass(rows if exps is not None else rows[:, :n_valid], n_valid, stats, cdtype, chunk_size,
+    return _local_pass(rows if exps is not None else rows[:, :n_real], n_real, stats, cdtype, chunk_size,
                        need_sums, exps)
 
 
-def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor], cdtype: torch.dtype,
+def _local_pass(rows: torch.Tensor, n_real: int, stats: Optional[torch.Tensor], cdtype: torch.dtype,
                 chunk_size: Optional[int], need_sums: bool, exps: Optional[torch.Tensor]) -> LocalMaxima:
     """One read of ``rows [T, n]``: per-token maxima and the first column of the real one; fills the sums.
 
@@ -89,9 +89,9 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
     chunk_size = min(chunk_size, max(n_tokens, 1))  # (no token: the fused loss's empty microbatch)
     # Without sums there is no working buffer to bound: the maxima are one op over all tokens.
     pass_chunk = chunk_size if need_sums else max(n_tokens, 1)
-    width = block_width(n_valid, argmax_only=not need_sums)
-    n_full = n_valid // width if width else 0
-    has_tail = bool(width) and n_full * width < n_valid
+    width = block_width(n_real, argmax_only=not need_sums)
+    n_full = n_real // width if width else 0
+    has_tail = bool(width) and n_full * width < n_real
     # bf16/fp16 chunks are upcast once into a buffer; argmax-only needs no upcast at all.
     cast = need_sums and rows.dtype != cdtype
     table_dtype = cdtype if cast else rows.dtype
@@ -101,10 +101,10 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
     if width:
         block_max = torch.empty(pass_chunk if search_per_chunk else n_tokens, n_full + has_tail, dtype=table_dtype,
                                 device=device)
-    local_max = torch.empty(n_tokens, dtype=table_dtype, device=device) if n_valid else None
+    local_max = torch.empty(n_tokens, dtype=table_dtype, device=device) if n_real else None
     # Padding columns (read only when exps are kept) move the reference above the real maximum.
-    reference = local_max if n_cols == n_valid else torch.empty(n_tokens, dtype=table_dtype, device=device)
-    columns = torch.empty(n_tokens, dtype=torch.int64, device=device) if n_valid and search_per_chunk else None
+    reference = local_max if n_cols == n_real else torch.empty(n_tokens, dtype=table_dtype, device=device)
+    columns = torch.empty(n_tokens, dtype=torch.int64, device=device) if n_real and search_per_chunk else None
     if need_sums:
         # Without exps: [0] e^{x-m}, [1] x-m then e^{x-m}(x-m), one sum over both gives (S0, S1).
         work = torch.empty(1 if exps is not None else 2, chunk_size, n_cols, dtype=cdtype, device=device)
@@ -117,9 +117,9 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
             e, d = (work[0, :n] if exps is None else exps[start:stop]), work[-1, :n]
         if cast:
             x = e.copy_(x)
-        if n_valid:
+        if n_real:
             m = local_max[start:stop]
-            real = x[:, :n_valid]
+            real = x[:, :n_real]
             if width:
                 table = block_max[:n] if search_per_chunk else block_max[start:stop]
                 torch.amax(real[:, :n_full * width].unflatten(-1, (n_full, width)), dim=-1, out=table[:, :n_full])
@@ -131,8 +131,8 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
             if search_per_chunk:
                 columns[start:stop] = first_max_column(real, table if width else None, width, n)
         if reference is not local_max:
-            if n_valid:
-                torch.maximum(m, torch.amax(x[:, n_valid:], dim=-1), out=reference[start:stop])
+            if n_real:
+                torch.maximum(m, torch.amax(x[:, n_real:], dim=-1), out=reference[start:stop])
             else:
                 torch.amax(x, dim=-1, out=reference[start:stop])
             m = reference[start:stop]
@@ -144,17 +144,17 @@ def _local_pass(rows: torch.Tensor, n_valid: int, stats: Optional[torch.Tensor],
         if exps is None:
             torch.sum(work[:, :n], dim=-1, out=stats[:2, start:stop])
         else:
-            torch.sum(e[:, :n_valid], dim=-1, out=stats[0, start:stop])
-            torch.sum(d[:, :n_valid], dim=-1, out=stats[1, start:stop])
-            if n_cols > n_valid:
-                torch.sum(e[:, n_valid:], dim=-1, out=stats[3, start:stop])
+            torch.sum(e[:, :n_real], dim=-1, out=stats[0, start:stop])
+            torch.sum(d[:, :n_real], dim=-1, out=stats[1, start:stop])
+            if n_cols > n_real:
+                torch.sum(e[:, n_real:], dim=-1, out=stats[3, start:stop])
 
     if need_sums:
         del work
-    if n_valid and not search_per_chunk:
-        columns = first_max_column(rows[:, :n_valid], block_max if width else None, width, pass_chunk)
-    local_max = local_max.to(cdtype) if n_valid else None
-    return LocalMaxima(local_max, columns, local_max if n_cols == n_valid else reference.to(cdtype))
+    if n_real and not search_per_chunk:
+        columns = first_max_column(rows[:, :n_real], block_max if width else None, width, pass_chunk)
+    local_max = local_max.to(cdtype) if n_real else None
+    return LocalMaxima(local_max, columns, local_max if n_cols == n_real else reference.to(cdtype))
 
 
 def first_max_column(rows: torch.Tensor, block_max: Optional[torch.Tensor], width: int,

@@ -163,11 +163,11 @@ def launch_config(n_cols: int, element_size: int, block: Optional[int] = None, n
     return block, num_warps, num_stages
 
 
-def triton_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[torch.Tensor],
+def triton_local_pass(rows: torch.Tensor, n_real: int, local_labels: Optional[torch.Tensor],
                       stats: Optional[torch.Tensor], need_sums: bool, block: Optional[int] = None,
                       num_warps: Optional[int] = None, num_stages: Optional[int] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused local pass over ``rows[:, :n_valid]``; the contract of ``torch_local_pass``.
+    """The fused local pass over ``rows[:, :n_real]``; the contract of ``torch_local_pass``.
 
     Returns ``(local_max float32 [T], local_column int64 [T])``; with ``need_sums``
     fills ``stats[0]`` (S0), ``stats[1]`` (S1) and, with ``local_labels`` (label −
@@ -184,13 +184,13 @@ def triton_local_pass(rows: torch.Tensor, n_valid: int, local_labels: Optional[t
     local_max = torch.empty(n_tokens, dtype=torch.float32, device=rows.device)
     local_col = torch.empty(n_tokens, dtype=torch.int64, device=rows.device)
     has_labels = need_sums and local_labels is not None
-    block, num_warps, num_stages = launch_config(n_valid, rows.element_size(), block, num_warps, num_stages)
+    block, num_warps, num_stages = launch_config(n_real, rows.element_size(), block, num_warps, num_stages)
     # Triton launches on the current CUDA device: make it the logits' one.
     on_device = torch.cuda.device(rows.device) if rows.device.type == "cuda" else contextlib.nullcontext()
     with on_device:
         _local_pass_kernel[(n_tokens,)](
             rows, local_labels.contiguous() if has_labels else local_col, local_max, local_col,
-            stats if need_sums else local_max, n_valid, rows.stride(0), rows.stride(1),
+            stats if need_sums else local_max, n_real, rows.stride(0), rows.stride(1),
             stats.stride(0) if need_sums else 0,
             HAS_LABELS=has_labels, NEED_SUMS=need_sums, BLOCK=block, NUM_STAGES=num_stages, num_warps=num_warps)
     return local_max, local_col

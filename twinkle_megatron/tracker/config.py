@@ -46,7 +46,7 @@ class TrackerConfig:
     """The device to look the peak up for (default: the current CUDA device; none on CPU: no MFU)."""
 
     ema_alpha: float = 0.1
-    """Per-step smoothing factor of the EMAs; an interval of n steps is folded in with the weight
+    """Per-step smoothing factor of the EMAs; an interval of n steps is blended in with the weight
     of n steps, ``1 − (1 − α)^n``, so α means the same for any ``log_interval``."""
 
     spike_threshold: float = 0.5

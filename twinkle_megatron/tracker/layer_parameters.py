@@ -83,7 +83,7 @@ class LayerParameters:
         for chunk in chunks:
             layers = _layer_prefixes(chunk)
             for name, param in chunk.named_parameters():
-                if not param.requires_grad or not _counted_on_this_rank(param, owned is not None):
+                if not param.requires_grad or not _counts_here(param, owned is not None):
                     continue
                 if owned is not None:
                     part = owned.get(param)
@@ -167,7 +167,7 @@ def _is_expert(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _counted_on_this_rank(param: torch.nn.Parameter, distributed_optimizer: bool) -> bool:
+def _counts_here(param: torch.nn.Parameter, distributed_optimizer: bool) -> bool:
     """Megatron's filters (not shared, not a TP duplicate), and DP rank 0 without the distributed optimizer."""
     from megatron.core import parallel_state as ps
 

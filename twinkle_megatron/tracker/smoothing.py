@@ -12,7 +12,7 @@ class ExponentialMovingAverages:
     """Named per-step EMAs: ``ema ← α·value + (1 − α)·ema``, starting at the first value.
 
     Global values exist only at log steps (after the sync), so an interval of
-    ``n`` steps is folded in at once with the weight those ``n`` steps would have
+    ``n`` steps is blended in at once with the weight those ``n`` steps would have
     had, each at the interval's value: ``ema ← w·value + (1 − w)·ema`` with
     ``w = 1 − (1 − α)^n``. ``α`` means the same whatever ``log_interval`` is.
     Non-finite values are skipped: one NaN would otherwise poison the average
@@ -44,7 +44,7 @@ class ExponentialMovingAverages:
 
 
 def is_loss_spike(loss: float, smoothed_loss: Optional[float], threshold: float) -> bool:
-    """``loss > (1 + threshold) · smoothed_loss`` (with the EMA *before* this loss is folded in).
+    """``loss > (1 + threshold) · smoothed_loss`` (with the EMA *before* this loss is blended in).
 
     No spike before there is an EMA, and none for a non-positive EMA (the
     relative threshold means nothing there).
@@ -58,7 +58,7 @@ class RecordSmoothing:
     """The record's smoothed part: ``train/loss_spike`` and the EMAs of :data:`~twinkle_megatron.keys.EMA_OF`.
 
     Owns the averages (resumable with the tracker's ``state_dict``). Each log
-    record is folded in once: :meth:`compute` returns the spike flag (loss
+    record is blended in once: :meth:`compute` returns the spike flag (loss
     against the loss EMA *before* this loss) and the new EMAs, and advances the
     averages, its own state.
     """
@@ -68,7 +68,7 @@ class RecordSmoothing:
         self.spike_threshold = spike_threshold
 
     def compute(self, record: Mapping[str, Any], steps: int) -> dict[str, Any]:
-        """The spike flag and EMAs of ``record``, a log interval of ``steps`` steps (folded in: see above)."""
+        """The spike flag and EMAs of ``record``, a log interval of ``steps`` steps (blended in: see above)."""
         results: dict[str, Any] = {}
         if keys.LOSS in record:
             results[keys.LOSS_SPIKE] = int(is_loss_spike(record[keys.LOSS], self.averages.get(keys.LOSS),

@@ -154,7 +154,7 @@ class NonfiniteLossCounts:
 
 def any_flag(flags: Sequence[Any]) -> Any:
     """The max of 0/1 flags (numbers or device tensors): a number when all are numbers, else a float64 tensor on
-    the accelerator any of them is on. Numbers are folded on the host, tensors on the device (CPU tensors are
+    the accelerator any of them is on. Numbers are maxed on the host, tensors on the device (CPU tensors are
     copied up without a host wait, never device values down)."""
     tensors = [flag for flag in flags if isinstance(flag, torch.Tensor)]
     on_host = max((float(flag) for flag in flags if not isinstance(flag, torch.Tensor)), default=0.0)

@@ -227,7 +227,7 @@ def _rows(part: Mapping[str, Any]) -> Optional[int]:
 
 
 def count_tokens(batch: Mapping[str, Any], ignore_index: int = -100) -> torch.Tensor:
-    """Tokens that count in ``batch`` (see :func:`token_mask`), without concatenating microbatches."""
+    """The number of selected tokens in ``batch`` (see :func:`token_mask`), without concatenating microbatches."""
     parts = batch.parts if isinstance(batch, ConcatenatedBatch) else [batch]
     counts = []
     for part in parts:

@@ -3,19 +3,19 @@
 Twinkle passes ``old_logps``, ``advantages``, ``rollout_logps``, ``old_values``, ``returns``… for every
 sequence of an ``accumulate`` call, in one of these forms:
 
-* a list with one entry per sequence: a number (the sequence's value, spread over its counted tokens) or a
-  1-D array with the values of the sequence's counted tokens in order (the ``i``-th value goes to the
-  ``i``-th counted token, like Twinkle's ``align_logps_to_mask``);
+* a list with one entry per sequence: a number (the sequence's value, spread over its selected tokens) or a
+  1-D array with the values of the sequence's selected tokens in order (the ``i``-th value goes to the
+  ``i``-th selected token, like Twinkle's ``align_logps_to_mask``);
 * a 1-D tensor with one number per sequence;
 * a tensor shaped like the logps of the whole call, or a list with one tensor per microbatch shaped like
   that microbatch's logps.
 
 :func:`per_sequence_values` splits them by microbatch and returns, for each, either a ``[sequences]``
 vector (numbers: the view spreads them over the tokens) or a per-token tensor (given per token, or a
-ragged list laid onto the counted tokens). Ragged arrays are laid onto the labels *as given*, before the
-context-parallel cut (stage 3): which counted tokens a CP chunk holds is known only from whole sequences,
+ragged list laid onto the selected tokens). Ragged arrays are laid onto the labels *as given*, before the
+context-parallel cut (stage 3): which selected tokens a CP chunk holds is known only from whole sequences,
 so the per-token result is then cut with the labels, like every other per-token tensor. A ragged array
-that does not hold one value per counted token of its sequence (shorter or longer) is *misaligned*: it is
+that does not hold one value per selected token of its sequence (shorter or longer) is *misaligned*: it is
 counted (``misaligned``), and its sequence is marked not aligned (``aligned``) so that the view leaves that
 sequence's tokens out of the metric's keys; no value is invented for it (nor cut off it). A packed
 microbatch (``cu_seqlens``) is one row: its per-sequence values must be given per token.
@@ -36,35 +36,35 @@ class SequenceValues(NamedTuple):
 
     per_sequence: Optional[torch.Tensor]  # float64 [sequences] (numbers), or None
     per_token: Optional[torch.Tensor]  # [sequences, length] as given or laid onto the labels, or None
-    misaligned: Any  # ragged arrays whose length is not their sequence's counted tokens: a device count, or 0.0
+    misaligned: Any  # ragged arrays whose length is not their sequence's selected tokens: a device count, or 0.0
     ragged: bool  # laid onto the labels as given (then they must hold whole sequences)
-    # bool [sequences]: the sequences whose values fit their counted tokens (ragged only; None: all of them).
+    # bool [sequences]: the sequences whose values fit their selected tokens (ragged only; None: all of them).
     # The view leaves the others' tokens out (:mod:`.view`): their values would be invented.
     aligned: Optional[torch.Tensor] = None
 
 
-def per_sequence_values(values_by_name: dict[str, Any], masks: Sequence[torch.Tensor],
+def per_sequence_values(values_by_name: dict[str, Any], selected: Sequence[torch.Tensor],
                         share: Optional[Callable[[tuple, Callable[[], Any]], Any]] = None
                         ) -> list[dict[str, SequenceValues]]:
     """Each microbatch's share of each per-call value (None values are left out).
 
-    ``masks``: each microbatch's counted tokens as given (``[sequences, length]``, before any CP cut), on
+    ``selected``: each microbatch's selected tokens as given (``[sequences, length]``, before any CP cut), on
     the device the values go to. Raises ``ValueError`` when the number of sequences or a tensor's rows do not match.
     ``share``: the call's :meth:`.SharedCall.shared`, through which its metrics share each value's pieces on the
     device (a per-call value of a name is the same for every metric of the call, so the name, the microbatches'
     sequence counts and devices name them: host lists cross to the device once per call).
     """
-    rows = tuple(mask.shape[0] for mask in masks)
-    devices = tuple(mask.device for mask in masks)
-    result: list[dict[str, SequenceValues]] = [{} for _ in masks]
+    rows = tuple(tokens.shape[0] for tokens in selected)
+    devices = tuple(tokens.device for tokens in selected)
+    result: list[dict[str, SequenceValues]] = [{} for _ in selected]
     for name, values in values_by_name.items():
         if values is None:
             continue
         pieces = share(("sequence_values", name, rows, devices),
                        lambda v=values, n=name: _pieces_on(v, n, rows, devices)) if share is not None \
             else _pieces_on(values, name, rows, devices)
-        for index, (piece, mask) in enumerate(zip(pieces, masks)):
-            result[index][name] = _microbatch_values(piece, mask, mask.device)
+        for index, (piece, tokens) in enumerate(zip(pieces, selected)):
+            result[index][name] = _microbatch_values(piece, tokens, tokens.device)
     return result
 
 
@@ -75,7 +75,7 @@ def _pieces_on(values: Any, name: str, rows: Sequence[int], devices: Sequence[to
             for piece, device in zip(split_per_microbatch(values, name, rows), devices)]
 
 
-def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> SequenceValues:
+def _microbatch_values(piece: Any, selected: torch.Tensor, device: torch.device) -> SequenceValues:
     if isinstance(piece, torch.Tensor):
         if piece.dim() == 1:
             return SequenceValues(piece.to(device=device, dtype=torch.float64), None, 0.0, False)
@@ -84,16 +84,16 @@ def _microbatch_values(piece: Any, mask: torch.Tensor, device: torch.device) -> 
     if arrays is None:
         return SequenceValues(scalars, None, 0.0, False)
     bordered, lengths, is_scalar = arrays
-    # The i-th counted token of a sequence (i from 1: the running count of counted tokens) takes column i of
-    # its bordered row: its i-th value, or a 0 of the border before the first counted token and past the
+    # The i-th selected token of a sequence (i from 1: the running count of selected tokens) takes column i of
+    # its bordered row: its i-th value, or a 0 of the border before the first selected token and past the
     # row's values. Three ops, no comparison: the border holds what a mask would have to put there. A row
-    # whose array is shorter or longer than its counted tokens is marked not aligned: its zeros past the
+    # whose array is shorter or longer than its selected tokens is marked not aligned: its zeros past the
     # values (or its cut-off tail) are no data, and the view leaves the row's tokens out.
-    count = mask.cumsum(-1)
+    count = selected.cumsum(-1)
     tokens = bordered.gather(1, count.clamp(max=bordered.shape[1] - 1))
     wrong_length = count[:, -1] != lengths if count.shape[-1] else lengths != 0
     if is_scalar is not None:  # numbers among the arrays: spread over their sequence's tokens, never misaligned
-        tokens = torch.where(is_scalar[:, None], scalars[:, None].expand(mask.shape), tokens)
+        tokens = torch.where(is_scalar[:, None], scalars[:, None].expand(selected.shape), tokens)
         wrong_length = wrong_length & ~is_scalar
     misaligned = wrong_length.sum(dtype=torch.float64)
     return SequenceValues(None, tokens, misaligned, True, ~wrong_length)

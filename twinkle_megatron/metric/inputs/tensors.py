@@ -52,15 +52,15 @@ def as_rows(tensor: Any) -> torch.Tensor:
 
 def token_mask(labels: torch.Tensor, completion_mask: Optional[torch.Tensor] = None,
                ignore_index: int = -100, real: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Tokens that count: ``labels != ignore_index``, ``completion_mask`` where given, and ``real`` where given
-    (the real tokens of packed rows: the padding between packed sequences never counts)."""
-    mask = labels != ignore_index
+    """The selected tokens: ``labels != ignore_index``, ``completion_mask`` where given, and ``real`` where given
+    (the real tokens of packed rows: the padding between packed sequences is never selected)."""
+    selected = labels != ignore_index
     if completion_mask is not None:
         check_same_shape("labels", labels, "completion_mask", completion_mask)
-        mask = mask & completion_mask.to(device=mask.device, dtype=torch.bool)
+        selected = selected & completion_mask.to(device=selected.device, dtype=torch.bool)
     if real is not None:
-        mask = mask & real.to(mask.device)
-    return mask
+        selected = selected & real.to(selected.device)
+    return selected
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,7 @@ tokens. Its own math then reads only the view. The data passes each stage once, 
 3. :mod:`.context_parallel`: every per-token tensor cut to this CP rank's chunks where some are whole
    sequences (:func:`.align_to_cp_rank`), the tokens' positions;
 4. :mod:`.packed`: the sub-sequences of packed rows;
-5. here: the counted tokens' mask (without the sequences whose ragged arrays are misaligned: their values
+5. here: the selected tokens (without the sequences whose ragged arrays are misaligned: their values
    would be invented), the per-sequence values over the tokens, the view.
 
 Every check runs before the view is returned, so a metric changes no state for a call that raises.
@@ -61,10 +61,10 @@ class MicrobatchView(NamedTuple):
 
     tensors: dict[str, torch.Tensor]  # the anchor, labels, completion_mask, per-token outputs, CP-matched
     output: Mapping[str, Any]  # the microbatch's outputs as given (the paired ones: logits, token_stats)
-    mask: torch.Tensor  # the counted tokens: labels != ignore_index, completion_mask, real (not padding), and
-    # not of a sequence whose ragged per-sequence array is misaligned
-    values: dict[str, torch.Tensor]  # each given per-sequence value per token: float64, 0 off the mask
-    misaligned_arrays: Any  # ragged arrays not one value per counted token (counted on CP rank 0)
+    selected: torch.Tensor  # the selected tokens: labels != ignore_index, completion_mask, real (not padding),
+    # and not of a sequence whose ragged per-sequence array is misaligned (the metric's checks then make them counted)
+    values: dict[str, torch.Tensor]  # each given per-sequence value per token: float64, 0 off the selected tokens
+    misaligned_arrays: Any  # ragged arrays not one value per selected token (counted on CP rank 0)
     group_ids: Any  # per sample, or per token (CP-matched)
     positions: Optional[torch.Tensor]  # the tokens' positions in their rows, when the spec asks for them
     packed: Optional[PackedSequences]  # a packed row's sub-sequences (None: each row is a sequence)
@@ -72,10 +72,10 @@ class MicrobatchView(NamedTuple):
     cp_gathered: bool  # whole sequences on every CP rank (see :class:`.CPAlignment`)
     counts_here: bool  # this rank adds the microbatch to its states
     index: int  # the microbatch's position among the call's microbatches (0 for a whole-batch call)
-    # The rule ``mask`` follows, as a value: ``("token_mask", ignore_index)`` when it is exactly
+    # The rule ``selected`` follows, as a value: ``("token_mask", ignore_index)`` when it is exactly
     # :func:`.token_mask` of the labels and completion mask as given (no CP cut, no packing, no misaligned
     # sequence left out), so the microbatch's token classes under that rule serve it; else the view's ``key``.
-    mask_rule: tuple
+    selected_rule: tuple
     key: tuple  # names this view among the call's (its spec less the metric's name, the CP rank, ``index``)
 
     @property
@@ -130,9 +130,10 @@ def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call
     ids = [_group_ids(batch, output, spec) for batch, output in pairs]
     given = [_as_given(batch, output, group_ids, spec) for (batch, output), group_ids in zip(pairs, ids)]
     # 2. The per-sequence values, per microbatch: ragged arrays onto the labels as given.
-    masks = [_mask_as_given(tensors, spec) for tensors in given] if any(v is not None for v in per_call.values()) \
-        else []
-    sequence_values = per_sequence_values(per_call, masks, share) if masks else [{} for _ in given]
+    selected_as_given = [_selected_as_given(tensors, spec) for tensors in given] \
+        if any(v is not None for v in per_call.values()) else []
+    sequence_values = per_sequence_values(per_call, selected_as_given, share) if selected_as_given \
+        else [{} for _ in given]
     for tensors, values in zip(given, sequence_values):
         tensors.update({name: (value.per_token, 1) for name, value in values.items() if value.per_token is not None})
     # 3. Context parallelism: only microbatches with the anchor have tensors to match.
@@ -146,8 +147,8 @@ def _views_of(pairs: list[tuple[Mapping[str, Any], Mapping[str, Any]]], per_call
     views, first_sequence = [], 0
     for index, ((_, output), tensors, cp, values, rows) in enumerate(
             zip(pairs, given, aligned, sequence_values, packed)):
-        view = _view(output, tensors, cp, values, rows, masks[index] if masks else None, ids[index],
-                     first_sequence, spec, context, indices[index], key)
+        view = _view(output, tensors, cp, values, rows, selected_as_given[index] if selected_as_given else None,
+                     ids[index], first_sequence, spec, context, indices[index], key)
         views.append(view)
         first_sequence += view.sequence_count
     return views
@@ -198,8 +199,8 @@ def _device(tensors: Mapping[str, Any], spec: ViewSpec) -> torch.device:
     return (found[0] if isinstance(found, tuple) else found).device
 
 
-def _mask_as_given(tensors: Mapping[str, tuple], spec: ViewSpec) -> torch.Tensor:
-    """The counted tokens of the labels as given (before any CP cut): the completion mask where it covers
+def _selected_as_given(tensors: Mapping[str, tuple], spec: ViewSpec) -> torch.Tensor:
+    """The selected tokens of the labels as given (before any CP cut): the completion mask where it covers
     the same tokens (a CP chunk's mask next to whole labels is applied after the cut)."""
     labels = to_device(tensors["labels"][0], _device(tensors, spec))
     completion_mask = tensors.get("completion_mask", (None,))[0]
@@ -210,7 +211,7 @@ def _mask_as_given(tensors: Mapping[str, tuple], spec: ViewSpec) -> torch.Tensor
 
 
 def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment, values: Mapping[str, Any],
-          packed: Optional[PackedSequences], mask_as_given: Optional[torch.Tensor], ids: Any, first_sequence: int,
+          packed: Optional[PackedSequences], selected_as_given: Optional[torch.Tensor], ids: Any, first_sequence: int,
           spec: ViewSpec, context: ParallelContext, index: int, views_key: tuple) -> MicrobatchView:
     tensors = dict(cp.tensors)
     ids = tensors.pop(GROUP_IDS, ids)  # per-token ids as matched under CP, per-sample ones as given
@@ -219,29 +220,30 @@ def _view(output: Mapping[str, Any], given: Mapping[str, tuple], cp: CPAlignment
     _check(tensors, values, packed, ids, cut, cp.cp_gathered, spec, context)
     device = _device(tensors, spec)
     real = None if packed is None else packed.real.to(device).reshape(labels.shape)
-    same_tokens = not cut and real is None and mask_as_given is not None and (
+    same_tokens = not cut and real is None and selected_as_given is not None and (
         "completion_mask" not in tensors or tuple(tensors["completion_mask"].shape) == tuple(labels.shape))
     if same_tokens:
-        mask = mask_as_given
+        selected = selected_as_given
     else:
         completion_mask = tensors.get("completion_mask")
-        mask = token_mask(to_device(labels, device), None if completion_mask is None else
-                          to_device(completion_mask, device), spec.ignore_index, real)
-    # The one rule for misaligned arrays: a sequence whose ragged array does not fit its counted tokens is left
+        selected = token_mask(to_device(labels, device), None if completion_mask is None else
+                              to_device(completion_mask, device), spec.ignore_index, real)
+    # The one rule for misaligned arrays: a sequence whose ragged array does not fit its selected tokens is left
     # out of the view (every key of the metric reading it), as if absent; the array is still counted.
     for value in values.values():
         if value.aligned is not None:
-            mask = mask & to_device(value.aligned, device)[:, None]
+            selected = selected & to_device(value.aligned, device)[:, None]
     spread = {}
     zero = torch.zeros((), dtype=torch.float64, device=device) if values else None
     for name, value in values.items():
         per_token = tensors.pop(name) if value.per_token is not None else value.per_sequence[:, None]
-        spread[name] = torch.where(mask, per_token.to(device=device, dtype=torch.float64), zero)
+        spread[name] = torch.where(selected, per_token.to(device=device, dtype=torch.float64), zero)
     misaligned = [value.misaligned for value in values.values() if value.ragged]
-    once = 1.0 if context.cp_rank == 0 else 0.0  # every CP rank lays the same whole arrays
+    counts_arrays_here = context.cp_rank == 0  # every CP rank lays the same whole arrays: CP rank 0 counts them
     key = (*views_key, index)
     plain = not cut and packed is None and all(value.aligned is None for value in values.values())
-    return MicrobatchView(tensors, output, mask, spread, sum(misaligned) * once if misaligned else 0.0, ids,
+    return MicrobatchView(tensors, output, selected, spread,
+                          sum(misaligned) * float(counts_arrays_here) if misaligned else 0.0, ids,
                           cp.positions, packed, first_sequence, cp.cp_gathered, cp.counts_here, index,
                           ("token_mask", spec.ignore_index) if plain else key, key)
 

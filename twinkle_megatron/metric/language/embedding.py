@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..inputs.microbatches import call_value, given, microbatches
 from ..inputs.tensors import to_device
 from ..state.base import Metric, Number, SyncedStates
-from ..state.resume import holds_loaded_sums
+from ..state.resume import counts_loaded_sums_here
 
 
 class EmbeddingMetric(Metric):
@@ -206,4 +206,4 @@ class EmbeddingMetric(Metric):
             self._calls = []
             return
         calls = torch.as_tensor(calls, dtype=torch.float64).to(self._state_device())
-        self._calls = list(calls if holds_loaded_sums(self) else torch.zeros_like(calls))
+        self._calls = list(calls if counts_loaded_sums_here(self) else torch.zeros_like(calls))

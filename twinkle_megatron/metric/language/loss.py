@@ -46,15 +46,16 @@ class LossMetric(Metric):
     per-token losses) and per position bucket (``position_buckets``,
     ``loss/pos_<first>-<last>``). And they stand in for a non-finite value: the
     value counts in ``loss`` while it is finite; when it is not, the microbatch
-    adds its finite counted tokens instead (Σ loss and tokens; for a mean, their
+    adds its counted tokens instead (Σ loss and tokens; for a mean, their
     mean with weight 1), so the healthy samples of a microbatch with one NaN
     sample still count in ``loss`` and ``loss/<group>``. In a packed microbatch
     (``cu_seqlens``) per-token losses of padding never count.
 
     Non-finite values are left out and counted in ``nonfinite_losses``: one per
     value (a microbatch's value without per-token losses, or a Python number),
-    one per counted token where per-token losses are given (at least one for a
-    non-finite value whose per-token losses are finite where counted).
+    one per selected token with a non-finite loss where per-token losses are
+    given (at least one for a non-finite value whose per-token losses are all
+    finite).
     ``grad_norm`` is the latest finite value passed (max over ranks), a
     non-finite one is counted in ``nonfinite_grad_norms``.
 
@@ -133,14 +134,14 @@ class LossMetric(Metric):
                 report = _Report(loss, weight.sum() if weight.shape != loss.shape else weight, reduction)
                 per_token.append((batch, {"loss": token_losses, "group_ids": output.get("group_ids")}, report))
                 continue
-            valid = all_finite([loss])
+            finite = all_finite([loss])
             if ids is not None and torch.as_tensor(ids).dim() > 0:
                 raise ValueError("a loss value for the whole microbatch needs one group id for the whole "
                                  "microbatch (or pass per-token losses with per-sample or per-token ids)")
             # Invalid ids are counted in tokens (as every metric counts them): a mean's tokens from its labels.
             grouped = self.group_names and ids is not None
-            counted = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
-            self._add_loss(loss, weight, valid, ~valid, self._token_groups(ids, valid, counted))
+            selected = count_tokens(batch) if grouped and reduction == "mean" and "labels" in batch else weight
+            self._add_loss(loss, weight, finite, ~finite, self._token_groups(ids, finite, selected))
         if per_token:
             self._add_token_losses(per_token)
 
@@ -148,18 +149,18 @@ class LossMetric(Metric):
         """Whether a microbatch's loss goes to groups or position buckets too (per-token losses or group ids)."""
         return output.get("token_losses") is not None or self.group_ids_of(batch, output) is not None
 
-    def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, nonfinite: torch.Tensor,
+    def _add_loss(self, loss: torch.Tensor, weight: torch.Tensor, counted: torch.Tensor, nonfinite: torch.Tensor,
                   groups: Optional[TokenSlices]) -> None:
-        """Add a microbatch's valid losses and weights (a value or per token) and its non-finite count, in one
+        """Add a microbatch's counted losses and weights (a value or per token) and its non-finite count, in one
         op (see :meth:`Metric._add_token_sums`)."""
         if weight.shape != loss.shape:  # a count given as [1] (or more) next to a microbatch's 0-d loss
             weight = weight.sum()
-        self._add_token_sums({"loss_sum": loss, "weight": weight}, valid, groups,
+        self._add_token_sums({"loss_sum": loss, "weight": weight}, counted, groups,
                              {"nonfinite_losses": nonfinite.sum(dtype=torch.float64)})
 
     def _add_token_losses(self, per_token: list[tuple[Any, dict, Optional[_Report]]]) -> None:
-        """Per-token losses, matched under CP by the microbatches' views: Σ over the counted finite tokens and
-        per slice, the counted non-finite tokens in ``nonfinite_losses``. Next to a microbatch's report, the
+        """Per-token losses, matched under CP by the microbatches' views: Σ over the counted tokens and
+        per slice, the selected non-finite tokens in ``nonfinite_losses``. Next to a microbatch's report, the
         slices come from the per-token losses and the total from the report while it is finite; a non-finite
         report gives way to the per-token totals (:func:`_report_or_tokens`): the healthy samples of the
         microbatch still count, its non-finite tokens are counted, never averaged in."""
@@ -171,20 +172,20 @@ class LossMetric(Metric):
             if not view.counts_here:
                 continue
             loss = view.tensors["loss"]
-            mask = to_device(view.mask, loss.device)
-            valid = mask & all_finite([loss])
-            groups = self._token_groups(view.group_ids, valid, mask, view.sequence_positions)
+            selected = to_device(view.selected, loss.device)
+            counted = selected & all_finite([loss])
+            groups = self._token_groups(view.group_ids, counted, selected, view.sequence_positions)
             if report is None:
-                self._add_loss(loss, valid.to(torch.float64), valid, mask & ~valid, groups)
+                self._add_loss(loss, counted.to(torch.float64), counted, selected & ~counted, groups)
                 continue
-            # One stack, one reduction: [Σ finite loss, finite tokens, non-finite tokens] of the counted tokens.
-            tokens = torch.stack([torch.where(valid, loss, 0.0), valid, mask & ~valid]).sum(
+            # One stack, one reduction: [Σ finite loss, finite tokens, non-finite tokens] of the selected tokens.
+            tokens = torch.stack([torch.where(counted, loss, 0.0), counted, selected & ~counted]).sum(
                 tuple(range(1, loss.dim() + 1)), dtype=torch.float64)
             totals = dict(zip(("loss_sum", "weight", "nonfinite_losses"), _report_or_tokens(report, tokens)))
             if groups is not None:  # the per-group and per-position twins, from the per-token losses
-                totals.update(sum_totals(self._specs, {"loss_sum": loss, "weight": valid}, valid, groups,
+                totals.update(sum_totals(self._specs, {"loss_sum": loss, "weight": counted}, counted, groups,
                                          slices_only=True))
-            self._fold_totals(totals)
+            self._apply_totals(totals)
 
     def _num_tokens(self, batch: Any, num_tokens: Optional[Any]) -> Any:
         if num_tokens is not None:

@@ -139,16 +139,16 @@ class MoERoutingMetric(Metric):
                              f"{tuple(routing_map.shape)}, expected [tokens, {self.num_experts}]")
         num_tokens = routing_map.shape[0]
         routed = routing_map.bool()
-        valid: Optional[torch.Tensor] = None
+        selected: Optional[torch.Tensor] = None
         if padding_mask is not None:
             if padding_mask.numel() != num_tokens:
                 raise ValueError(f"MoERoutingMetric: layer {layer_number}: padding_mask has shape "
                                  f"{tuple(padding_mask.shape)} ({padding_mask.numel()} elements) but routing_map "
                                  f"has {num_tokens} tokens")
-            valid = ~padding_mask.reshape(-1).to(device=routed.device, dtype=torch.bool)
-            routed = routed & valid[:, None]
+            selected = ~padding_mask.reshape(-1).to(device=routed.device, dtype=torch.bool)
+            routed = routed & selected[:, None]
         self._add_row("load", row, routed.sum(0))
-        self._add_row("tokens", row, num_tokens if valid is None else valid.sum())
+        self._add_row("tokens", row, num_tokens if selected is None else selected.sum())
         if logits is not None:
             if tuple(logits.shape[-1:]) != (self.num_experts,) or logits.numel() != routing_map.numel():
                 raise ValueError(f"MoERoutingMetric: layer {layer_number}: logits have shape "
@@ -158,10 +158,10 @@ class MoERoutingMetric(Metric):
             logprobs = logits.log_softmax(-1)
             entropy = -(logprobs.exp() * logprobs).sum(-1)  # NaN for a token with any non-finite logit
             finite = torch.isfinite(entropy)
-            counted = finite if valid is None else finite & valid
+            counted = finite if selected is None else finite & selected
             self._add_row("entropy", row, torch.where(counted, entropy, 0.0).sum(dtype=torch.float64))
             self._add_row("entropy_tokens", row, counted.sum())
-            self._add_row("nonfinite", row, (~finite if valid is None else ~finite & valid).sum())
+            self._add_row("nonfinite", row, (~finite if selected is None else ~finite & selected).sum())
 
     def record_router_loss(self, name: str, layer_number: int, value: Union[torch.Tensor, float],
                            weight: Union[torch.Tensor, float]) -> None:

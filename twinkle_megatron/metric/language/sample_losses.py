@@ -109,9 +109,9 @@ class SampleLosses(Metric):
     def _rows(self, batch: Mapping[str, Any], view: MicrobatchView) -> torch.Tensor:
         """``[samples, 8]``: one row per sample of the microbatch (per packed sequence in a packed row)."""
         losses = view.tensors["token_losses"]
-        mask = to_device(view.mask, losses.device)
-        finite = mask & all_finite([losses])
-        per_token = torch.stack([torch.where(finite, losses, 0.0), mask, mask & ~finite]).to(torch.float64)
+        selected = to_device(view.selected, losses.device)
+        counted = selected & all_finite([losses])
+        per_token = torch.stack([torch.where(counted, losses, 0.0), selected, selected & ~counted]).to(torch.float64)
         if view.packed is not None:
             sums, tokens, nonfinite = (view.packed.sum(values) for values in per_token.unbind(0))
         else:

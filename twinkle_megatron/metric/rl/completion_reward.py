@@ -148,7 +148,7 @@ class CompletionRewardMetric(Metric):
         slots = torch.tensor(list(values), device=device)
         rows = torch.zeros(4, self.max_reward_functions, dtype=torch.float64, device=device)
         rows.index_copy_(1, slots, torch.stack(per_slot, 1))
-        self._fold_totals(dict(zip(REWARD_STATES, rows.unbind(0))))
+        self._apply_totals(dict(zip(REWARD_STATES, rows.unbind(0))))
 
     def _slot(self, name: str) -> int:
         if name not in self._slots:
@@ -200,7 +200,7 @@ class CompletionRewardMetric(Metric):
         names = self._states["reward_names"].cpu()
         self._slots = {_decode(names[slot]): slot for slot in range(self.max_reward_functions)
                        if names[slot, 0] != float("-inf")}
-        self._named_slots = {}  # folded again at the next call (the same codes: no change)
+        self._named_slots = {}  # written again at the next call (the same codes: no change)
 
 
 def _host_list(values: Any) -> bool:

@@ -31,7 +31,7 @@ from ..inputs.microbatches import call_value, given
 from ..inputs.tensors import all_finite, to_device
 from ..inputs.view import MicrobatchView, ViewSpec, microbatch_views
 from ..state.base import Metric, Number, SyncedStates
-from ..tokens.sequence_totals import once_per_sequence, sum_over_context_parallel
+from ..tokens.sequence_totals import counts_sequences_here, sum_over_context_parallel
 
 PAIR_LAYOUTS = ("interleaved", "halves")
 
@@ -125,19 +125,20 @@ class DPOMetric(Metric):
     def _accumulate_microbatch(self, batch: MicrobatchView, layout: str) -> None:
         logps = batch.tensors["logps"]
         device = logps.device
-        mask = batch.mask
+        selected = batch.selected
         zero = torch.zeros((), dtype=torch.float64, device=device)
         policy = logps.to(torch.float64)
         ref = batch.tensors.get(REF_LOGPS)
         ref = to_device(ref, device).to(torch.float64) if ref is not None else None
         finite = all_finite([policy] if ref is None else [policy, ref])
-        tokens = batch.sequence_sum(mask.to(torch.float64))  # per row, or per packed sub-sequence
-        nonfinite = batch.sequence_sum((mask & ~finite).to(torch.float64))
-        sequence_logps = batch.sequence_sum(torch.where(mask & finite, policy, zero))
+        tokens = batch.sequence_sum(selected.to(torch.float64))  # per row, or per packed sub-sequence
+        nonfinite = batch.sequence_sum((selected & ~finite).to(torch.float64))
+        sequence_logps = batch.sequence_sum(torch.where(selected & finite, policy, zero))
         chosen, rejected = _split_pairs(sequence_logps, layout)
         pair_tokens, pair_nonfinite = (sum(_split_pairs(t, layout)) for t in (tokens, nonfinite))
         if ref is not None:
-            ref_chosen, ref_rejected = _split_pairs(batch.sequence_sum(torch.where(mask & finite, ref, zero)), layout)
+            ref_logps = batch.sequence_sum(torch.where(selected & finite, ref, zero))
+            ref_chosen, ref_rejected = _split_pairs(ref_logps, layout)
             chosen_rewards = self.beta * (chosen - ref_chosen)
             rejected_rewards = self.beta * (rejected - ref_rejected)
             margins = chosen_rewards - rejected_rewards
@@ -148,21 +149,21 @@ class DPOMetric(Metric):
             torch.stack([pair_tokens, margins, pair_nonfinite], -1), self.context, batch.cp_gathered).unbind(-1)
         clean = pair_nonfinite == 0
         counted = (pair_tokens > 0) & clean
-        once = once_per_sequence(self.context, batch.cp_gathered)  # CP ranks share each pair
+        counts_here = counts_sequences_here(self.context, batch.cp_gathered)  # CP ranks share each pair
         # A pair's group is its chosen sequence's (both sequences of a pair come from one dataset).
-        groups = self._token_groups(batch.group_ids, mask, mask)
+        groups = self._token_groups(batch.group_ids, selected, selected)
         if groups is not None:
             groups = groups.of_sequences().select(lambda rows: _split_pairs(rows, layout)[0])
 
         # A pair with a non-finite log-prob adds nothing (``clean``); every statistic added in one op.
-        sums = {"pairs": counted * once, "chosen_logps": chosen, "rejected_logps": rejected}
+        sums = {"pairs": counted & counts_here, "chosen_logps": chosen, "rejected_logps": rejected}
         if ref is not None:
-            sums.update({"ref_pairs": counted * once, "ref_chosen_logps": ref_chosen,
+            sums.update({"ref_pairs": counted & counts_here, "ref_chosen_logps": ref_chosen,
                          "ref_rejected_logps": ref_rejected, "chosen_rewards": chosen_rewards,
                          "rejected_rewards": rejected_rewards, "margins": margins,
-                         "correct_pairs": (counted & (full_margins > 0)) * once})
+                         "correct_pairs": counted & (full_margins > 0) & counts_here})
         self._add_token_sums(sums, clean, groups,
-                             {"nonfinite_pairs": ((pair_tokens > 0) & ~clean).sum(dtype=torch.float64) * once})
+                             {"nonfinite_pairs": ((pair_tokens > 0) & ~clean & counts_here).sum(dtype=torch.float64)})
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = states.counts(("nonfinite_pairs",))

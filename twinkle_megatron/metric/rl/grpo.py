@@ -10,8 +10,8 @@ microbatch). ``old_logps`` and ``advantages`` cover every sequence of the
 ``accumulate`` call, in order, in any of these forms:
 
 * Twinkle's: a list with one entry per sequence, either a number (spread over
-  the sequence's counted tokens) or a 1-D array with the values of the
-  sequence's counted tokens in order (scattered onto them, like Twinkle's
+  the sequence's selected tokens) or a 1-D array with the values of the
+  sequence's selected tokens in order (scattered onto them, like Twinkle's
   ``align_logps_to_mask``);
 * a 1-D tensor with one number per sequence;
 * a tensor shaped like the logps of the whole call, or a list with one tensor
@@ -53,10 +53,10 @@ from ..inputs.tensors import all_finite, as_rows, check_same_shape, to_device
 from ..inputs.view import MicrobatchView, ViewSpec, logits_sequence_dim
 from ..state.base import Metric, Number, SyncedStates
 from ..state.groups import TokenSlices
-from ..state.resume import holds_loaded_sums
+from ..state.resume import counts_loaded_sums_here
 from ..state.token_sums import max_totals, sum_totals
 from ..tokens.logits_pass import call_token_stats, check_vocab_size
-from ..tokens.sequence_totals import once_per_sequence, sum_over_context_parallel
+from ..tokens.sequence_totals import counts_sequences_here, sum_over_context_parallel
 from .high_kl_records import HighKLRecords, global_top_kl, saved_state
 from .rollout_mismatch import MISMATCH_MAX, check_threshold, declare_mismatch_states, mismatch_results, mismatch_terms
 
@@ -66,9 +66,9 @@ class TokenTerms(NamedTuple):
     of the family: computed once per call, see :meth:`.SharedCall.shared`)."""
 
     sums: dict[str, torch.Tensor]  # state name -> what to add: totals, twins' per-slice totals, counts
-    maxima: dict[str, torch.Tensor]  # state name -> what to fold into its max
+    maxima: dict[str, torch.Tensor]  # state name -> what to apply to its max
     misaligned: Any  # the misaligned-array count when a host number (else in ``sums``)
-    valid: torch.Tensor
+    counted: torch.Tensor  # the selected tokens with every input finite
     labels: torch.Tensor
     new: torch.Tensor
     old: Optional[torch.Tensor]
@@ -106,7 +106,7 @@ class GRPOMetric(Metric):
     ``epsilon_high`` defaults to ``epsilon``. Tokens with a non-finite input
     are left out of everything and counted in ``train/nonfinite_tokens``;
     per-sequence arrays (of ``old_logps``, ``advantages`` or ``rollout_logps``)
-    that do not hold one value per counted token are counted in
+    that do not hold one value per selected token are counted in
     ``train/misaligned_arrays`` and their sequences are left out of every key,
     as if absent (Twinkle truncates or zero-fills them silently, which invents
     values); both reported when > 0.
@@ -227,16 +227,16 @@ class GRPOMetric(Metric):
 
     def _accumulate_microbatch(self, call: SharedCall, batch: MicrobatchView, vocab_size: Optional[int],
                                layout: Optional[str]) -> None:
-        mask = batch.mask
+        selected = batch.selected
         positions = batch.sequence_positions if self.position_buckets is not None else None
-        groups = self._token_groups(batch.group_ids, mask, mask, positions)
+        groups = self._token_groups(batch.group_ids, selected, selected, positions)
         # GRPO, GSPO, CISPO and PPO of one call read the same microbatch view alike but for their clip counts:
         # the per-token terms and their totals are computed once per call, under the view's key and every
         # option they depend on (the methods that make them: a subclass may make them its own way).
         key = ("grpo_terms", batch.key, self._token_terms.__func__, self._entropy.__func__, self.context,
                self.ignore_index, self.temperature, self.rollout_threshold, vocab_size, layout, self.group_names,
                self.position_buckets)
-        terms = call.shared(key, lambda: self._token_terms(call, batch, mask, groups, vocab_size, layout))
+        terms = call.shared(key, lambda: self._token_terms(call, batch, selected, groups, vocab_size, layout))
         sums = terms.sums
         if terms.log_ratio is not None and terms.advantages is not None:
             low, high, total = self.clip_counts(terms, batch)
@@ -244,17 +244,17 @@ class GRPOMetric(Metric):
             clip_groups = groups if low.dim() == 2 or groups is None else groups.of_sequences()
             sums = {**sums, **sum_totals(self.state_specs, {"clip_low": low, "clip_high": high, "clip_total": total},
                                          None, clip_groups)}
-        self._fold_totals(sums, terms.maxima)  # this metric's states: one add, one max
+        self._apply_totals(sums, terms.maxima)  # this metric's states: one add, one max
         if not isinstance(terms.misaligned, torch.Tensor):  # a host number (no per-sequence arrays)
             self._add("misaligned_arrays", terms.misaligned)
         if self.top_k_kl > 0 and terms.log_ratio is not None:
-            self._high_kl.keep(terms.kl, terms.ratio, terms.new, terms.old, terms.labels, terms.valid,
+            self._high_kl.keep(terms.kl, terms.ratio, terms.new, terms.old, terms.labels, terms.counted,
                                batch.first_sequence, batch.positions)
 
-    def _token_terms(self, call: SharedCall, batch: MicrobatchView, mask: torch.Tensor,
+    def _token_terms(self, call: SharedCall, batch: MicrobatchView, selected: torch.Tensor,
                      groups: Optional[TokenSlices], vocab_size: Optional[int], layout: Optional[str]) -> TokenTerms:
         """The microbatch's per-token terms and the totals of every state but the clip counts: each statistic
-        masked by ``valid`` (counted, every input finite) and reduced together (see :mod:`..state.token_sums`)."""
+        masked by ``counted`` (selected, every input finite) and reduced together (see :mod:`..state.token_sums`)."""
         logps = batch.tensors["logps"]
         labels = to_device(batch.labels, logps.device)
         scale = self.temperature if self.temperature > 0 and self.temperature != 1.0 else 1.0
@@ -267,29 +267,29 @@ class GRPOMetric(Metric):
             if values is not None:
                 per_token[name] = values * factor if factor != 1.0 else values  # old log-probs: T·logp_old
         finite = all_finite([new, *([] if entropy is None else [entropy]), *per_token.values()])
-        valid = mask & finite
-        sums: dict[str, torch.Tensor] = {"tokens": valid, "new_logp_sum": new}
+        counted = selected & finite
+        sums: dict[str, torch.Tensor] = {"tokens": counted, "new_logp_sum": new}
         maxima: dict[str, torch.Tensor] = {}
         if entropy is not None:
-            sums.update(entropy_tokens=valid, entropy_sum=entropy)
+            sums.update(entropy_tokens=counted, entropy_sum=entropy)
         if "rollout" in per_token:  # the log-probs as given: Δ is the engines' difference, not the temperature's
-            mismatch_sums, maxima[MISMATCH_MAX] = mismatch_terms(logps, per_token["rollout"], valid,
+            mismatch_sums, maxima[MISMATCH_MAX] = mismatch_terms(logps, per_token["rollout"], counted,
                                                                  self.rollout_threshold)
             sums.update(mismatch_sums)
-        old_tokens = log_ratio = ratio = kl = None
+        old = log_ratio = ratio = kl = None
         if "old" in per_token:
-            old_tokens = per_token["old"]
-            log_ratio = torch.where(valid, new - old_tokens, 0.0)
+            old = per_token["old"]
+            log_ratio = torch.where(counted, new - old, 0.0)
             ratio = torch.exp(log_ratio)
             kl = ratio - log_ratio - 1.0
-            sums.update(old_tokens=valid, old_logp_sum=old_tokens, logp_diff_sum=log_ratio, approx_kl_sum=kl)
+            sums.update(old_tokens=counted, old_logp_sum=old, logp_diff_sum=log_ratio, approx_kl_sum=kl)
             maxima.update(token_kl_max=kl, token_ratio_max=ratio)
-        totals = sum_totals(self.state_specs, sums, valid, groups)
-        totals["nonfinite_tokens"] = (mask & ~finite).sum(dtype=torch.float64)
+        totals = sum_totals(self.state_specs, sums, counted, groups)
+        totals["nonfinite_tokens"] = (selected & ~finite).sum(dtype=torch.float64)
         if isinstance(misaligned, torch.Tensor):  # a device count: added with the rest
             totals["misaligned_arrays"] = misaligned
-        return TokenTerms(totals, max_totals(self.state_specs, maxima, valid, groups) if maxima else {},
-                          misaligned, valid, labels, new, old_tokens, per_token.get("advantages"), log_ratio, ratio, kl)
+        return TokenTerms(totals, max_totals(self.state_specs, maxima, counted, groups) if maxima else {},
+                          misaligned, counted, labels, new, old, per_token.get("advantages"), log_ratio, ratio, kl)
 
     def _entropy(self, call: SharedCall, batch: MicrobatchView, labels: torch.Tensor, vocab_size: Optional[int],
                  layout: Optional[str]) -> Optional[torch.Tensor]:
@@ -311,10 +311,10 @@ class GRPOMetric(Metric):
 
         Subclasses may count per sequence instead (``[sequences]``): the caller sums either.
         """
-        valid = terms.valid
-        low = valid & (terms.ratio < 1 - self.epsilon) & (terms.advantages < 0)
-        high = valid & (terms.ratio > 1 + self.epsilon_high) & (terms.advantages > 0)
-        return low, high, valid
+        counted = terms.counted
+        low = counted & (terms.ratio < 1 - self.epsilon) & (terms.advantages < 0)
+        high = counted & (terms.ratio > 1 + self.epsilon_high) & (terms.advantages > 0)
+        return low, high, counted
 
     def sync_records(self) -> Optional[list]:
         return self._high_kl.records(self.context.dp_rank) if self.top_k_kl > 0 else None
@@ -363,7 +363,7 @@ class GRPOMetric(Metric):
         super().load_state_dict(state_dict)
         self._high_kl.reset()
         if self.top_k_kl > 0 and "sequences" in state_dict:
-            self._high_kl.load(state_dict, holds_loaded_sums(self), self._state_device())
+            self._high_kl.load(state_dict, counts_loaded_sums_here(self), self._state_device())
 
 
 class GSPOMetric(GRPOMetric):
@@ -382,17 +382,17 @@ class GSPOMetric(GRPOMetric):
     """
 
     def clip_counts(self, terms: TokenTerms, batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        weights = terms.valid.to(torch.float64)
+        weights = terms.counted.to(torch.float64)
         partial = torch.stack([batch.sequence_sum(terms.log_ratio * weights), batch.sequence_sum(weights),
                                batch.sequence_sum(terms.advantages * weights)], -1)
         log_ratio_sum, tokens, advantage_sum = sum_over_context_parallel(partial, self.context,
                                                                          batch.cp_gathered).unbind(-1)
         ratio = torch.exp(log_ratio_sum / tokens.clamp(min=1.0))
-        counted = tokens > 0
+        # Every CP rank holds the completed sequences: CP rank 0 counts them.
+        counted = (tokens > 0) & counts_sequences_here(self.context, batch.cp_gathered)
         low = counted & (ratio < 1 - self.epsilon) & (advantage_sum < 0)
         high = counted & (ratio > 1 + self.epsilon_high) & (advantage_sum > 0)
-        once = once_per_sequence(self.context, batch.cp_gathered)  # CP ranks share each sequence
-        return low * once, high * once, counted * once
+        return low, high, counted
 
 
 class CISPOMetric(GRPOMetric):
@@ -405,9 +405,9 @@ class CISPOMetric(GRPOMetric):
     """
 
     def clip_counts(self, terms: TokenTerms, batch: MicrobatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        low = terms.valid & (terms.ratio < 1 - self.epsilon)
-        high = terms.valid & (terms.ratio > 1 + self.epsilon_high)
-        return low, high, terms.valid
+        low = terms.counted & (terms.ratio < 1 - self.epsilon)
+        high = terms.counted & (terms.ratio > 1 + self.epsilon_high)
+        return low, high, terms.counted
 
 
 class PPOMetric(GRPOMetric):

@@ -29,11 +29,11 @@ class HighKLRecords:
         self.sequences_per_call: list[int] = []
 
     def keep(self, kl: torch.Tensor, ratio: torch.Tensor, new: torch.Tensor, old: torch.Tensor, labels: torch.Tensor,
-             valid: torch.Tensor, first_sequence: int, positions: torch.Tensor) -> None:
-        """Merge a microbatch's highest-k3 ``valid`` tokens (``[sequences, length]`` tensors; ``positions``: each
+             counted: torch.Tensor, first_sequence: int, positions: torch.Tensor) -> None:
+        """Merge a microbatch's highest-k3 ``counted`` tokens (``[sequences, length]`` tensors; ``positions``: each
         column's position in the whole sequence) into the running top K; device ops only."""
         sequence_length = kl.shape[-1]
-        candidates = torch.where(valid, kl, torch.full_like(kl, float("-inf"))).reshape(-1)
+        candidates = torch.where(counted, kl, torch.full_like(kl, float("-inf"))).reshape(-1)
         k = min(self.top_k, candidates.numel())
         if k == 0:
             return

@@ -45,7 +45,7 @@ class PPOValueMetric(Metric):
 
     with ``Var(x) = Σ x² / N − (Σ x / N)²`` in float64. Tokens with a non-finite
     input are left out and counted in ``train/nonfinite_tokens``; per-sequence
-    arrays that do not hold one value per counted token in
+    arrays that do not hold one value per selected token in
     ``train/misaligned_arrays``, their sequences left out of every key (both
     when > 0).
 
@@ -92,21 +92,22 @@ class PPOValueMetric(Metric):
 
     def _accumulate_microbatch(self, batch: MicrobatchView) -> None:
         values = batch.tensors["values"].to(torch.float64)
-        mask = batch.mask
+        selected = batch.selected
         misaligned = batch.misaligned_arrays
         per_token = batch.values
         finite = all_finite([values, *per_token.values()])
-        valid = mask & finite
+        counted = selected & finite
         returns, residual = per_token["returns"], per_token["returns"] - values
-        # Every per-token statistic masked by ``valid`` and added in one op (see Metric._add_token_sums).
-        sums = {"tokens": valid, "value_sum": values, "return_sum": returns, "return_square_sum": returns * returns,
+        # Every per-token statistic masked by ``counted`` and added in one op (see Metric._add_token_sums).
+        sums = {"tokens": counted, "value_sum": values, "return_sum": returns, "return_square_sum": returns * returns,
                 "residual_sum": residual, "residual_square_sum": residual * residual,
                 "clipped": (values - per_token["old_values"]).abs() > self.epsilon}
         if "advantages" in per_token:
             advantages = per_token["advantages"]
-            sums.update(advantage_tokens=valid, advantage_sum=advantages, advantage_square_sum=advantages * advantages)
-        self._add_token_sums(sums, valid, None, {"nonfinite_tokens": (mask & ~finite).sum(dtype=torch.float64),
-                                                 "misaligned_arrays": misaligned})
+            sums.update(advantage_tokens=counted, advantage_sum=advantages,
+                        advantage_square_sum=advantages * advantages)
+        self._add_token_sums(sums, counted, None, {"nonfinite_tokens": (selected & ~finite).sum(dtype=torch.float64),
+                                                   "misaligned_arrays": misaligned})
 
     def compute(self, states: SyncedStates) -> dict[str, Number]:
         results: dict[str, Number] = states.counts(("nonfinite_tokens", "misaligned_arrays"), prefix="train/")

@@ -5,7 +5,7 @@ log-probabilities of the sampled tokens differ from the trainer's recomputation
 (kernels, precision, batch invariance, MoE routing). With ``rollout_logps=``
 (the engine's log-probs, in every form ``old_logps`` is accepted, see
 :mod:`.grpo`) GRPO, GSPO, CISPO and PPO also report, over the counted tokens
-``t`` (those of the other keys: mask, every input finite, not of a sequence
+``t`` (those of the other keys: selected, every input finite, not of a sequence
 whose ragged array is misaligned: see :mod:`..inputs.sequences`) with
 ``Δ_t = logπ_train(t) − logπ_rollout(t)`` (the log-probs as given, before any
 temperature scaling), sums over tokens, microbatches and DP×CP ranks, ``N``
@@ -50,20 +50,20 @@ def declare_mismatch_states(metric: Metric) -> None:
     metric.add_state(MISMATCH_MAX, "max", grouped=True)
 
 
-def mismatch_terms(train: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor, threshold: float
+def mismatch_terms(train: torch.Tensor, rollout: torch.Tensor, counted: torch.Tensor, threshold: float
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One microbatch's per-token terms: ({sum state: values, 0 where not counted}, |Δ| with -inf where not
-    counted, for the maximum); ``valid`` the counted tokens."""
+    counted, for the maximum); ``counted``: the counted tokens."""
     zero = torch.zeros((), dtype=torch.float64, device=train.device)
-    delta = torch.where(valid, train.to(torch.float64) - rollout.to(torch.float64), zero)
+    delta = torch.where(counted, train.to(torch.float64) - rollout.to(torch.float64), zero)
     magnitude = delta.abs()
     sums = {
-        "rollout_tokens": valid.to(torch.float64),
-        "rollout_mult_error_sum": torch.where(valid, torch.exp(magnitude), zero),
-        "rollout_kl_sum": torch.where(valid, torch.expm1(delta) - delta, zero),  # >= 0, exactly 0 at Δ = 0
-        "rollout_over_threshold": (valid & (magnitude > threshold)).to(torch.float64),
+        "rollout_tokens": counted.to(torch.float64),
+        "rollout_mult_error_sum": torch.where(counted, torch.exp(magnitude), zero),
+        "rollout_kl_sum": torch.where(counted, torch.expm1(delta) - delta, zero),  # >= 0, exactly 0 at Δ = 0
+        "rollout_over_threshold": (counted & (magnitude > threshold)).to(torch.float64),
     }
-    return sums, torch.where(valid, magnitude, float("-inf"))
+    return sums, torch.where(counted, magnitude, float("-inf"))
 
 
 def mismatch_results(states: SyncedStates) -> dict[str, Number]:

@@ -46,7 +46,7 @@ from .pending import PendingUpdates
 from .positions import position_buckets as check_position_buckets
 from .resume import loaded_states
 from .sync import Number, SyncedStates, calculate_metrics, gather_results, reduced_state_dicts, syncs_declared_states
-from .token_sums import add_in_place, fold_into, max_totals, maximum_in_place, sum_totals
+from .token_sums import add_in_place, apply_to_states, max_totals, maximum_in_place, sum_totals
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -236,43 +236,45 @@ class Metric(_Base):
         value = self._as_state(name, value)
         self._states[name] = value.expand(self._specs[name].shape).clone()
 
-    def _add_token_sums(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
+    def _add_token_sums(self, sums: Mapping[str, torch.Tensor], counted: Optional[torch.Tensor] = None,
                         groups: Optional[TokenSlices] = None, totals: Optional[Mapping[str, torch.Tensor]] = None
                         ) -> None:
         """Add Σ over the tokens of each per-token tensor of ``sums`` (one shape) to its state, per slice to its
-        twins, and each tensor of ``totals`` (shaped like its state) to its state; tokens not ``valid`` add 0,
+        twins, and each tensor of ``totals`` (shaped like its state) to its state; tokens not ``counted`` add 0,
         whatever their value. A fixed number of ops for any number of sums (see :mod:`.token_sums`)."""
-        self._fold_totals({**sum_totals(self._specs, sums, valid, groups), **(totals or {})})
+        self._apply_totals({**sum_totals(self._specs, sums, counted, groups), **(totals or {})})
 
-    def _add_to_groups(self, sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+    def _add_to_groups(self, sums: Mapping[str, torch.Tensor], counted: Optional[torch.Tensor],
                        groups: Optional[TokenSlices]) -> None:
         """:meth:`_add_token_sums` for the twins only (the states themselves have their totals from elsewhere)."""
-        self._fold_totals(sum_totals(self._specs, sums, valid, groups, slices_only=True))
+        self._apply_totals(sum_totals(self._specs, sums, counted, groups, slices_only=True))
 
-    def _maximum_token_values(self, maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor] = None,
+    def _maximum_token_values(self, maxima: Mapping[str, torch.Tensor], counted: Optional[torch.Tensor] = None,
                               groups: Optional[TokenSlices] = None) -> None:
-        """Fold the max over the tokens of each per-token tensor of ``maxima`` (one shape) into its state, and
-        per slice into its twins; tokens not ``valid`` count as -inf. A fixed number of ops, as for sums."""
-        self._fold_totals({}, max_totals(self._specs, maxima, valid, groups))
+        """Apply the max over the tokens of each per-token tensor of ``maxima`` (one shape) to its state, and
+        per slice to its twins; tokens not ``counted`` count as -inf. A fixed number of ops, as for sums."""
+        self._apply_totals({}, max_totals(self._specs, maxima, counted, groups))
 
-    def _fold_totals(self, sums: Mapping[str, torch.Tensor], maxima: Optional[Mapping[str, torch.Tensor]] = None
-                     ) -> None:
-        """Add each tensor of ``sums`` to its state, fold each of ``maxima`` into its state's max (each shaped like
-        its state): one op for all sums, one for all maxima (see :func:`.token_sums.fold_into`)."""
+    def _apply_totals(self, sums: Mapping[str, torch.Tensor], maxima: Optional[Mapping[str, torch.Tensor]] = None
+                      ) -> None:
+        """Apply the totals now: add each tensor of ``sums`` to its state, take the max of each of ``maxima`` and its
+        state (each shaped like its state): one op for all sums, one for all maxima (see
+        :func:`.token_sums.apply_to_states`)."""
         self._pending_updates.settle(self._states, sums, "add")
         self._pending_updates.settle(self._states, maxima or (), "max")
-        self._states = fold_into(fold_into(self._states, sums, add_in_place), maxima or {}, maximum_in_place)
+        self._states = apply_to_states(apply_to_states(self._states, sums, add_in_place), maxima or {},
+                                       maximum_in_place)
 
-    def _token_groups(self, ids: Any, like: torch.Tensor, counted: torch.Tensor,
+    def _token_groups(self, ids: Any, like: torch.Tensor, selected: torch.Tensor,
                       positions: Optional[torch.Tensor] = None) -> Optional[TokenSlices]:
         """The partitions of a microbatch's tokens (see :mod:`.groups`): their groups from ``ids``, their
-        position buckets from ``positions`` (shaped like ``like``). ``counted`` tokens (the metric's token
-        mask, before non-finite values are left out: the same tokens in every metric fed the same inputs)
-        with an id outside ``[0, G)`` are added to ``invalid_group_ids``. None when no partition applies."""
+        position buckets from ``positions`` (shaped like ``like``). ``selected`` tokens (before the metric's
+        checks leave values out: the same tokens in every metric fed the same inputs) with an id outside
+        ``[0, G)`` are added to ``invalid_group_ids``. None when no partition applies."""
         parts = []
         if self.group_names and ids is not None:
             groups = token_groups(ids, like, len(self.group_names))
-            self._add(INVALID_GROUP_IDS, (counted * ~groups.valid).sum())  # a mask, or a microbatch's count
+            self._add(INVALID_GROUP_IDS, (selected * ~groups.in_range).sum())  # a mask, or a microbatch's count
             parts.append(groups)
         if self.position_buckets is not None and positions is not None:
             parts.append(self.position_buckets.of(positions.to(like.device), like.shape))

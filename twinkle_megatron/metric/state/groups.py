@@ -40,7 +40,7 @@ class TokenGroups(NamedTuple):
     like its tokens; ``suffix`` names the partition's twin states."""
 
     ids: torch.Tensor  # int64, clamped into [0, G)
-    valid: torch.Tensor  # bool: the id was inside [0, G)
+    in_range: torch.Tensor  # bool: the id was inside [0, G)
     num_groups: int
     suffix: str = GROUPED_SUFFIX
 
@@ -48,21 +48,21 @@ class TokenGroups(NamedTuple):
         """The group of each sequence (row) of ``[b, s]`` tokens: its first token's (a sequence has one)."""
         if self.ids.dim() != 2:
             return self
-        return TokenGroups(self.ids[:, 0], self.valid[:, 0], self.num_groups, self.suffix)
+        return TokenGroups(self.ids[:, 0], self.in_range[:, 0], self.num_groups, self.suffix)
 
     def select(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> TokenGroups:
-        """The groups of some entries: ``rows`` applied to the ids and to their validity (e.g. chosen rows)."""
-        return TokenGroups(rows(self.ids), rows(self.valid), self.num_groups, self.suffix)
+        """The groups of some entries: ``rows`` applied to the ids and to ``in_range`` (e.g. chosen rows)."""
+        return TokenGroups(rows(self.ids), rows(self.in_range), self.num_groups, self.suffix)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """``[G]`` float64: Σ values per group (``values`` shaped like the tokens, 0 where not counted); for
         ``[K, *tokens]`` values (K statistics stacked) ``[K, G]``, in the same three ops."""
-        ids, valid, values = self.ids, self.valid, values.to(torch.float64)
+        ids, in_range, values = self.ids, self.in_range, values.to(torch.float64)
         stacked = values.shape[:values.dim() - ids.dim()]  # () or (K,)
-        if ids.dim() == 2 and ids.stride(0) == 0 and valid.stride(0) == 0:
+        if ids.dim() == 2 and ids.stride(0) == 0 and in_range.stride(0) == 0:
             # One row of slices for every row (position buckets of padded rows): add up the rows first.
-            ids, valid, values = ids[0], valid[0], values.sum(-2)
-        values = torch.where(valid, values, 0.0).reshape(*stacked, -1)
+            ids, in_range, values = ids[0], in_range[0], values.sum(-2)
+        values = torch.where(in_range, values, 0.0).reshape(*stacked, -1)
         totals = torch.zeros((*stacked, self.num_groups), dtype=torch.float64, device=values.device)
         return totals.index_add_(len(stacked), ids.reshape(-1), values)
 
@@ -70,7 +70,7 @@ class TokenGroups(NamedTuple):
         """``[G]`` float64: max of values per group (``values`` -inf where not counted; -inf for empty groups);
         for ``[K, *tokens]`` values ``[K, G]``."""
         stacked = values.shape[:values.dim() - self.ids.dim()]
-        values = torch.where(self.valid, values.to(torch.float64), float("-inf")).reshape(*stacked, -1)
+        values = torch.where(self.in_range, values.to(torch.float64), float("-inf")).reshape(*stacked, -1)
         maxima = torch.full((*stacked, self.num_groups), float("-inf"), dtype=torch.float64, device=values.device)
         ids = self.ids.reshape(-1).expand(values.shape)
         return maxima.scatter_reduce_(len(stacked), ids, values, reduce="amax")
@@ -109,8 +109,8 @@ def token_groups(ids: Any, like: torch.Tensor, num_groups: int) -> Optional[Toke
         else:
             raise ValueError(f"group ids have shape {tuple(ids.shape)} but the microbatch holds tokens of shape "
                              f"{tuple(like.shape)}: give one id per sample, one per token, or one number")
-    valid = (ids >= 0) & (ids < num_groups)
-    return TokenGroups(ids.clamp(0, num_groups - 1), valid, num_groups)
+    in_range = (ids >= 0) & (ids < num_groups)
+    return TokenGroups(ids.clamp(0, num_groups - 1), in_range, num_groups)
 
 
 def check_group_names(group_names: Optional[Sequence[str]]) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import torch
 
 from ..inputs.tensors import all_finite, all_host_numbers, host_float64, is_host_number, to_device
-from .token_sums import add_in_place, fold_into, totals_of
+from .token_sums import add_in_place, apply_to_states, totals_of
 
 HostNumbers = Union[float, list]  # a float, or one float per element of the flattened state
 RowValue = Union[float, torch.Tensor]  # a Python number, or a 0-d float64 tensor (a copy of the caller's)
@@ -167,7 +167,7 @@ class PendingUpdates:
     def _fold_rows(self, states: dict[str, torch.Tensor], name: str) -> None:
         for key in [key for key, rows in self._rows.items() if rows.touches(name)]:
             totals = self._rows.pop(key).totals()
-            states.update(fold_into(states, totals, add_in_place))
+            states.update(apply_to_states(states, totals, add_in_place))
 
 
 def _host_numbers(value: Any) -> bool:

@@ -52,8 +52,8 @@ class PositionBuckets(NamedTuple):
         positions = positions.to(torch.int64)
         # The number of inner edges at or below p: B comparisons per position (B is small), no searchsorted.
         ids = (positions[..., None] >= edges[1:-1]).sum(-1)
-        valid = (positions >= edges[0]) & (positions < edges[-1])
-        return TokenGroups(ids.expand(shape), valid.expand(shape), len(self.edges) - 1, POSITIONS_SUFFIX)
+        in_range = (positions >= edges[0]) & (positions < edges[-1])
+        return TokenGroups(ids.expand(shape), in_range.expand(shape), len(self.edges) - 1, POSITIONS_SUFFIX)
 
 
 @functools.lru_cache(maxsize=16)

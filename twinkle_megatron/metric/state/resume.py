@@ -2,7 +2,7 @@
 
 ``Metric.state_dict()`` is the global, layout-free state (the states reduced over
 all ranks, see :func:`.sync.reduced_state_dicts`). Loading it back must not count
-a sum once per rank: sums go to one rank (:func:`holds_loaded_sums`), the
+a sum once per rank: sums go to one rank (:func:`counts_loaded_sums_here`), the
 identity (0) to the others; maxima and minima go to every rank (their reduction
 is idempotent). So the next ``calculate()`` under any TP×PP×CP×DP layout
 continues the interval as if the run had never stopped.
@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 
-def holds_loaded_sums(metric: Any) -> bool:
-    """Whether this rank holds a loaded checkpoint's sums: its data counts and it is DP and CP rank 0
-    (for a metric every rank counts in, rank 0 of the reduction group). Exactly one rank answers True."""
+def counts_loaded_sums_here(metric: Any) -> bool:
+    """Whether this rank counts a loaded checkpoint's sums: its states count (``metric.counts_here()``) and it is
+    DP and CP rank 0 (for a metric every rank counts in, rank 0 of the reduction group). Exactly one rank answers
+    True; the others hold identities."""
     context = metric.context
     if metric.every_rank_counts:
         return not context.distributed or dist.get_rank(context.reduce_group) == 0
@@ -34,7 +35,7 @@ def loaded_states(metric: Any, state_dict: Mapping[str, Any], device: torch.devi
     missing = set(specs) - set(states)
     if missing:
         raise ValueError(f"{owner}.load_state_dict: missing states {sorted(missing)}")
-    holder = holds_loaded_sums(metric)
+    holder = counts_loaded_sums_here(metric)
     loaded = {}
     for name, spec in specs.items():
         value = torch.as_tensor(states[name], dtype=torch.float64)

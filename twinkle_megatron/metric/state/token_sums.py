@@ -1,4 +1,4 @@
-"""Many per-token statistics of one microbatch folded into their states together: a fixed number of ops.
+"""Many per-token statistics of one microbatch applied to their states together: a fixed number of ops.
 
 A metric adds several per-token sums per microbatch (GRPO: tokens, log-prob sums, KL terms, clip counts…),
 each also per slice of each partition (groups, position buckets; see :mod:`.groups`). One op per sum is one
@@ -9,7 +9,7 @@ are handled together instead:
   a NaN or Inf outside the counted tokens never leaks into a sum);
 * reduced once over the token dimensions (``[K]``), and once per partition (``[K, G]``, one ``index_add``
   or ``scatter_reduce`` for all K: :func:`slice_totals`);
-* folded into all their states by one op (:func:`add_in_place`, :func:`maximum_in_place`:
+* applied to all their states by one op (:func:`add_in_place`, :func:`maximum_in_place`:
   ``torch._foreach_add_`` / ``torch._foreach_maximum_``, the multi-tensor ops ``torch.optim`` uses; one
   launch on an accelerator when the states and values share a dtype and device).
 
@@ -25,12 +25,12 @@ import torch
 from .groups import TokenSlices
 
 
-def stack_per_token(values: Sequence[torch.Tensor], valid: Optional[torch.Tensor], fill: float) -> torch.Tensor:
+def stack_per_token(values: Sequence[torch.Tensor], counted: Optional[torch.Tensor], fill: float) -> torch.Tensor:
     """``[K, *tokens]``: the K per-token tensors (one shape; dtypes promoted by the stack itself, so bool counts
-    among float values become those floats) with ``fill`` where ``valid`` (bool, shaped like the tokens) is
-    False; ``valid`` None: as given."""
+    among float values become those floats) with ``fill`` where ``counted`` (bool, shaped like the tokens) is
+    False; ``counted`` None: as given."""
     stacked = values[0].unsqueeze(0) if len(values) == 1 else torch.stack(list(values))
-    return stacked if valid is None else torch.where(valid, stacked, fill)
+    return stacked if counted is None else torch.where(counted, stacked, fill)
 
 
 def token_totals(stacked: torch.Tensor, reduce: str) -> torch.Tensor:
@@ -67,24 +67,24 @@ def maximum_in_place(states: Sequence[torch.Tensor], values: Sequence[torch.Tens
     torch._foreach_maximum_(list(states), list(values))
 
 
-def sum_totals(declared: Container[str], sums: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+def sum_totals(declared: Container[str], sums: Mapping[str, torch.Tensor], counted: Optional[torch.Tensor],
                slices: Optional[TokenSlices], slices_only: bool = False) -> dict[str, torch.Tensor]:
     """State name -> what to add to it: Σ over the tokens of each per-token tensor of ``sums`` (one shape) for
-    the state of its name, per slice for its twins (those ``declared``); tokens not ``valid`` add 0, whatever
+    the state of its name, per slice for its twins (those ``declared``); tokens not ``counted`` add 0, whatever
     their value. ``slices_only``: the twins alone. A fixed number of ops for any number of sums."""
     names = list(sums)
-    stacked = stack_per_token(list(sums.values()), valid, 0.0)
+    stacked = stack_per_token(list(sums.values()), counted, 0.0)
     totals = {} if slices_only else dict(totals_of(names, token_totals(stacked, "sum")))
     totals.update(slice_totals(stacked, names, slices, declared, "sum"))
     return totals
 
 
-def max_totals(declared: Container[str], maxima: Mapping[str, torch.Tensor], valid: Optional[torch.Tensor],
+def max_totals(declared: Container[str], maxima: Mapping[str, torch.Tensor], counted: Optional[torch.Tensor],
                slices: Optional[TokenSlices]) -> dict[str, torch.Tensor]:
-    """State name -> what to fold into its max: the max over the tokens of each per-token tensor of ``maxima``
-    (one shape; none for no tokens) and per slice for its twins; tokens not ``valid`` count as -inf."""
+    """State name -> what to apply to its max: the max over the tokens of each per-token tensor of ``maxima``
+    (one shape; none for no tokens) and per slice for its twins; tokens not ``counted`` count as -inf."""
     names = list(maxima)
-    stacked = stack_per_token(list(maxima.values()), valid, float("-inf"))
+    stacked = stack_per_token(list(maxima.values()), counted, float("-inf"))
     totals = dict(totals_of(names, token_totals(stacked, "max"))) if stacked[0].numel() else {}
     totals.update(slice_totals(stacked, names, slices, declared, "max"))
     return totals
@@ -95,9 +95,9 @@ def totals_of(names: Sequence[str], totals: torch.Tensor) -> Mapping[str, torch.
     return dict(zip(names, totals.unbind(0)))
 
 
-def fold_into(states: dict[str, torch.Tensor], values: Mapping[str, torch.Tensor],
-              fold: Callable[[list, list], None]) -> dict[str, torch.Tensor]:
-    """Fold each value into the state of its name (shaped alike) in place, all in one op ``fold``
+def apply_to_states(states: dict[str, torch.Tensor], values: Mapping[str, torch.Tensor],
+                    update: Callable[[list, list], None]) -> dict[str, torch.Tensor]:
+    """Apply each value to the state of its name (shaped alike) in place, all in one op ``update``
     (:func:`add_in_place`, :func:`maximum_in_place`); returns the states. States on the CPU follow values
     on another device (all of them move, as the states follow the first device data comes from); values
     on another device than states already there are copied to them."""
@@ -107,6 +107,6 @@ def fold_into(states: dict[str, torch.Tensor], values: Mapping[str, torch.Tensor
     first = next(iter(values.values())).device
     if first != device and device.type == "cpu":
         states, device = {name: state.to(first) for name, state in states.items()}, first
-    fold([states[name] for name in values],
+    update([states[name] for name in values],
          [value if value.device == device else value.to(device, non_blocking=True) for value in values.values()])
     return states

@@ -27,11 +27,11 @@ class LogitsMetric(Metric):
     """Walks the microbatches of ``accumulate`` and yields each one's token statistics and classes.
 
     ``outputs`` carry ``logits`` (this rank's vocab shard, ``[b, s, V/tp]`` or
-    ``[s, b, V/tp]``) or ``token_stats`` precomputed by a hook. Tokens count when
+    ``[s, b, V/tp]``) or ``token_stats`` precomputed by a hook. The selected tokens are
     ``labels != ignore_index`` and ``completion_mask``; of those, tokens with a
     non-finite logit are counted in ``nonfinite_tokens`` and labels outside
-    ``[0, vocab_size)`` in ``invalid_labels`` instead of being scored; in a
-    packed microbatch (``cu_seqlens``, see :mod:`..inputs.packed`) padding never counts. With
+    ``[0, vocab_size)`` in ``invalid_labels``, the others are the counted tokens; in a
+    packed microbatch (``cu_seqlens``, see :mod:`..inputs.packed`) padding is never selected. With
     ``strict=True`` (default) ``calculate()`` raises ``ValueError`` on every rank
     when any rank saw an invalid label (the count is global, so all ranks agree).
     """
@@ -86,7 +86,7 @@ class LogitsMetric(Metric):
             else:
                 source, stats = ("given",), view.output["token_stats"]
             classes = call_token_classes(call, view, stats, source)
-            groups = self._token_groups(view.group_ids, classes.counted, view.mask, view.sequence_positions)
+            groups = self._token_groups(view.group_ids, classes.counted, view.selected, view.sequence_positions)
             yield TokenBatch(view.labels, stats), classes, groups
 
     @staticmethod

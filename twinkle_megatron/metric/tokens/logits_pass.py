@@ -3,12 +3,12 @@
 :func:`logits_token_stats` matches the logits layout to the labels (``[b, s, v]``,
 Megatron's ``[s, b, v]``, or packed ``[t, v]``), runs the vocab-parallel pass over
 this rank's vocab shard (two TP collectives), and returns per-token results shaped
-like the labels; :func:`classify_tokens` splits a microbatch's counted tokens by
+like the labels; :func:`classify_tokens` splits a microbatch's selected tokens by
 what the statistics say of them.
 
 The metrics of one call (a :class:`.SharedCall`) read both through
 :func:`call_token_stats` and :func:`call_token_classes`: the pass runs once per
-microbatch, and its tokens are classified once per counted-token rule, whatever
+microbatch, and its tokens are classified once per selection rule, whatever
 the number of metrics reading them; only per-token results are kept, never the
 logits. ``instrument()`` hands its call the statistics and classes its hooks made
 (:func:`give_token_classes`), so its tokens are classified once per microbatch.
@@ -117,52 +117,54 @@ def check_vocab_size(vocab_size: Optional[int]) -> Optional[int]:
 
 
 class TokenClasses(NamedTuple):
-    """Which masked tokens count, and why the others do not (boolean, shaped like the labels)."""
+    """Which selected tokens count, and why the others do not (boolean, shaped like the labels)."""
 
     counted: torch.Tensor  # finite logits and a label inside the vocabulary
     nonfinite: torch.Tensor  # a NaN or infinite logit
     invalid_label: torch.Tensor  # finite logits, label outside [0, vocab_size)
 
 
-def classify_tokens(stats: Statistics, mask: torch.Tensor, labels: Optional[torch.Tensor] = None) -> TokenClasses:
-    """Split the tokens of ``mask`` by what the statistics say about them (device ops only).
+def classify_tokens(stats: Statistics, selected: torch.Tensor, labels: Optional[torch.Tensor] = None
+                    ) -> TokenClasses:
+    """Split the ``selected`` tokens by what the statistics say about them (device ops only).
 
     The ops give a NaN log-prob to every token with a non-finite logit or a label outside the
-    vocabulary (and 0 to ignored labels, which ``mask`` leaves out), so a counted token is one
+    vocabulary (and 0 to ignored labels, which are never selected), so a counted token is one
     whose log-prob is a number; a NaN one is non-finite when its entropy is, else an invalid label.
     :class:`.ArgmaxStats` carry no log-prob: they say ``finite`` themselves and a label (``labels``,
     needed then) is in the vocabulary when ``0 <= label < stats.vocab_size`` -- the same classes.
     """
-    mask = to_device(mask, stats.argmax.device)
+    selected = to_device(selected, stats.argmax.device)
     if isinstance(stats, ArgmaxStats):
         finite = stats.finite
         labels = to_device(labels, finite.device)
-        scored = finite & (labels >= 0) & (labels < stats.vocab_size)
+        passes_checks = finite & (labels >= 0) & (labels < stats.vocab_size)
     else:
-        scored = ~torch.isnan(stats.logprobs)
+        passes_checks = ~torch.isnan(stats.logprobs)
         finite = all_finite([stats.entropy])
-    counted, nonfinite = mask & scored, mask & ~finite
-    # A scored token is finite, so the three classes split the mask: the invalid ones are the rest (two ops).
-    return TokenClasses(counted, nonfinite, mask ^ counted ^ nonfinite)
+    counted, nonfinite = selected & passes_checks, selected & ~finite
+    # A token that passes the checks is finite, so the three classes split the selected tokens: the invalid
+    # ones are the rest (two ops).
+    return TokenClasses(counted, nonfinite, selected ^ counted ^ nonfinite)
 
 
-def token_classes_key(index: int, token_shape: tuple, stats_source: tuple, mask_rule: tuple) -> tuple:
+def token_classes_key(index: int, token_shape: tuple, stats_source: tuple, selected_rule: tuple) -> tuple:
     """The name of a microbatch's token classes in its call: its index and tokens' shape, where its statistics
     came from (``("logits", vocab_size, layout, ignore_index)`` or ``("given",)``: the call's ``token_stats``),
-    and the rule of the counted-token mask (:attr:`.MicrobatchView.mask_rule`)."""
-    return ("token_classes", index, token_shape, stats_source, mask_rule)
+    and the rule that selected the tokens (:attr:`.MicrobatchView.selected_rule`)."""
+    return ("token_classes", index, token_shape, stats_source, selected_rule)
 
 
 def call_token_classes(call: SharedCall, view: MicrobatchView, stats: Statistics, stats_source: tuple
                        ) -> TokenClasses:
-    """:func:`classify_tokens` of the view's counted tokens, once per call for every view that counts its
+    """:func:`classify_tokens` of the view's selected tokens, once per call for every view that selects its
     microbatch's tokens by the same rule (or as ``instrument()`` gave them: :func:`give_token_classes`)."""
-    key = token_classes_key(view.index, tuple(view.labels.shape), stats_source, view.mask_rule)
-    return call.shared(key, lambda: classify_tokens(stats, view.mask, view.labels))
+    key = token_classes_key(view.index, tuple(view.labels.shape), stats_source, view.selected_rule)
+    return call.shared(key, lambda: classify_tokens(stats, view.selected, view.labels))
 
 
 def give_token_classes(call: SharedCall, classes: TokenClasses, ignore_index: int) -> None:
     """Hand a one-microbatch call (``instrument()``'s) the classes made from its ``token_stats`` output over
-    :func:`.token_mask` of its labels and completion mask as given, with ``ignore_index``: every view counting
+    :func:`.token_mask` of its labels and completion mask as given, with ``ignore_index``: every view selecting
     the same tokens reads them instead of classifying again."""
     call.give(token_classes_key(0, tuple(classes.counted.shape), ("given",), ("token_mask", ignore_index)), classes)

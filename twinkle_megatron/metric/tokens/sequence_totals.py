@@ -3,7 +3,7 @@
 With CP each rank holds two chunks of every sequence, so a per-sequence value that is not a plain sum
 (GSPO's geometric-mean ratio, DPO's pair margin) needs the sequence's partial sums from every CP rank
 before the nonlinearity: :func:`sum_over_context_parallel` adds them (one all-reduce per microbatch, no
-host sync), and :func:`once_per_sequence` then counts each sequence on one CP rank only.
+host sync), and :func:`counts_sequences_here` then counts each sequence on one CP rank only.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def sum_over_context_parallel(tensor: torch.Tensor, context: ParallelContext, cp
     return tensor
 
 
-def once_per_sequence(context: ParallelContext, cp_gathered: bool) -> float:
-    """The weight (1.0 or 0.0) of a sequence-level value completed by :func:`sum_over_context_parallel`, so
-    that each sequence counts once: after the sum every CP rank holds it, so CP rank 0 alone counts it;
+def counts_sequences_here(context: ParallelContext, cp_gathered: bool) -> bool:
+    """Whether this CP rank counts the sequence-level values completed by :func:`sum_over_context_parallel`, so
+    that each sequence counts once: after the sum every CP rank holds them, so CP rank 0 alone counts them;
     ``cp_gathered`` data reaches the metric's states on CP rank 0 only already (:meth:`CPAlignment.counts_here`)."""
-    return 1.0 if cp_gathered or context.cp_rank == 0 else 0.0
+    return cp_gathered or context.cp_rank == 0
