@@ -2,7 +2,7 @@
 
 ``instrument()`` without a model (Megatron-LM's ``pretrain()``) and the wrapped step, through
 megatron-core's schedules on forked CPU ranks, driven by a mirror of Megatron-LM's ``evaluate`` and
-``evaluate_and_print_results`` (``kit/megatron_evaluation.py``, tag ``core_v0.16.1``) between two
+``evaluate_and_print_results`` (``kit/megatron_lm.py``, tag ``core_v0.16.1``) between two
 training steps: the validation pass prints and writes a perplexity of the loss only, the plugin's
 ``validation/<key>`` values (through ``pretrain()``'s ``non_loss_data_func`` /
 ``process_non_loss_data_func``) equal a single-process float64 reference over the evaluation batches
@@ -16,7 +16,6 @@ import re
 
 import pytest
 import torch
-from kit.megatron_evaluation import RecordingWriter, evaluate_and_print_results
 from kit.megatron_gpt import (
     GPTSpec,
     blended_batch,
@@ -26,6 +25,7 @@ from kit.megatron_gpt import (
     reference_metrics,
     run_forward_backward,
 )
+from kit.megatron_lm import MegatronLMArgs, evaluate_and_print_results, install_megatron_training, train_data_iterator
 
 from twinkle_megatron import Accuracy, LossMetric, ParallelContext
 from twinkle_megatron.megatron import instrument
@@ -75,14 +75,19 @@ def _train_evaluate_train() -> dict:
                                                           forward_only=True, forward_step_func=step))
 
         before = train_step()
-        writer = RecordingWriter() if last_rank else None  # Megatron-LM's TensorBoard writer: the last rank's
+        # Megatron-LM's globals: its args (eval_iters = 2) and the writers, which live on the last rank.
+        writers = install_megatron_training(MegatronLMArgs(
+            micro_batch_size=2, global_batch_size=8, seq_length=SPEC.max_sequence_length, train_iters=ITERATION,
+            eval_iters=len(EVAL_SEEDS), log_validation_ppl_to_tensorboard=True), wandb=False)
+        writer = writers.tensorboard
         collected = []
         hooks = metrics.pretrain_hooks()
         non_loss = hooks["non_loss_data_func"]
+        eval_batches = _eval_batches()
         printed = evaluate_and_print_results(
-            f"iteration {ITERATION}", step, _eval_batches(), chunks, ITERATION, micro_batch_size=2, writer=writer,
-            non_loss_data_func=lambda model: collected.append(non_loss(model)) or collected[-1],
-            process_non_loss_data_func=hooks["process_non_loss_data_func"])
+            f"iteration {ITERATION}", step, train_data_iterator(chunks, lambda index: eval_batches[index]), chunks,
+            ITERATION, hooks["process_non_loss_data_func"], None,
+            non_loss_data_func=lambda model: collected.append(non_loss(model)) or collected[-1])
         after = train_step()
         return {"before": before, "after": after, "printed": printed, "collected": collected,
                 "scalars": writer.scalars if writer else None, "calculated": metrics.calculate(),
@@ -102,7 +107,8 @@ def test_evaluation_prints_no_perplexity_of_a_non_loss_key_and_reports_validatio
     # Megatron-LM's validation line and writer: the loss only (its PPL is a perplexity); nothing of ours.
     assert set(re.findall(r"\| ([^|]+?) PPL:", " | " + last["printed"])) == {"lm loss"}, last["printed"]
     megatron_keys = {key for key, _, _ in last["scalars"] if not key.startswith("validation/")}
-    assert megatron_keys == {"lm loss validation", "lm loss validation ppl"}, megatron_keys
+    assert megatron_keys == {"lm loss validation", "lm loss validation ppl", "lm loss validation vs samples",
+                             "lm loss validation ppl vs samples"}, megatron_keys
     printed_loss = float(re.search(r"lm loss value: (\S+)", last["printed"]).group(1))
     assert printed_loss == pytest.approx(want["eval"]["loss"], rel=1e-5)
 

@@ -14,6 +14,8 @@ batch), ``.invariance`` (``assert_layout_invariant``), ``.guards`` (host syncs f
 * ``ops_cases``: the input families of the vocab-parallel ops and their check against the reference;
 * ``megatron_gpt``: a tiny layout-independent megatron-core ``GPTModel`` and one step through its schedules;
 * ``megatron_training``: that GPTModel under Megatron's DDP and optimizer, one real training step;
+* ``megatron_lm``: Megatron-LM's ``train()`` loop (``train_step``, ``training_log``, ``evaluate``, the
+  ``megatron.training`` writers) mirrored line for line at ``core_v0.16.1`` over that training step;
 * ``megatron_moe``: the same with MoE layers; ``moe_cases``: hand-made routing maps;
 * ``megatron_packed``: packed (THD) rows through that GPTModel, a block-diagonal stand-in for TE's attention;
 * ``megatron_bridge``: Megatron-Bridge's own training code, downloaded and imported behind the smallest stubs;

@@ -570,23 +570,34 @@ def blended_reference(spec: GPTSpec, true_vocab: int, group_names: Sequence[str]
 
 
 def reference_metrics(spec: GPTSpec, batch: Mapping[str, torch.Tensor], vocab_size: int,
-                      group_names: Sequence[str] = (), group_key: str = "dataset_id") -> dict[str, float]:
+                      group_names: Sequence[str] = (), group_key: str = "dataset_id",
+                      model: Optional[torch.nn.Module] = None, position_edges: Sequence[int] = ()
+                      ) -> dict[str, float]:
     """World 1 (call inside a one-rank worker and the shim), float64, full vocabulary: ``accuracy``,
     ``correct_tokens``, ``total_tokens``, ``logprob``, ``entropy`` over the tokens of the loss mask, and ``loss``
     (Megatron's per-token cross-entropy over the padded vocabulary); with ``group_names`` each of them again as
-    ``key/<name>`` over the samples whose ``batch[group_key]`` is the group's index."""
+    ``key/<name>`` over the samples whose ``batch[group_key]`` is the group's index; with ``position_edges``
+    ``e_0 < … < e_B`` each again as ``key/pos_<e_b>-<e_{b+1} - 1>`` over the tokens at positions ``e_b ≤ p < e_{b+1}``
+    of their sequence. ``model``: the single-process ``GPTModel`` to evaluate (a trained one); default: ``spec``'s,
+    freshly built."""
     from kit.references import accuracy_reference, token_stats_reference
 
-    (model,) = build_gpt_model(spec)
-    logits = reference_forward(model, batch).detach().double()
+    if model is None:
+        (model,) = build_gpt_model(spec)
+    with torch.no_grad():
+        logits = reference_forward(model, batch).double()
     labels = batch["labels"]
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, spec.vocab_size), labels.reshape(-1),
                                                reduction="none").reshape(labels.shape)
-    rows = {None: torch.ones(labels.shape[0], dtype=torch.bool)}
-    rows.update({name: batch[group_key] == index for index, name in enumerate(group_names)})
+    everything = torch.ones(labels.shape, dtype=torch.bool)
+    slices = {None: everything}
+    slices.update({name: (batch[group_key] == index)[:, None] & everything for index, name in enumerate(group_names)})
+    positions = torch.arange(labels.shape[1]).expand(labels.shape)
+    slices.update({f"pos_{first}-{end - 1}": (positions >= first) & (positions < end)
+                   for first, end in zip(position_edges[:-1], position_edges[1:])})
     results = {}
-    for name, selected in rows.items():
-        mask = batch["loss_mask"].bool() & selected[:, None]
+    for name, selected in slices.items():
+        mask = batch["loss_mask"].bool() & selected
         values = {**accuracy_reference(logits, labels, mask, vocab_size),
                   **token_stats_reference(logits, labels, mask, vocab_size), "loss": float(losses[mask].mean())}
         results.update({key if name is None else f"{key}/{name}": value for key, value in values.items()})
