@@ -5,14 +5,15 @@ MLflow 3.17 refuses a new file store), each read back by the tool's own reader (
 checked by key, value and iteration.
 
 The wiring of ``pretrain(config, metrics.wrap(forward_step), callbacks=metrics.bridge_callbacks())`` with
-``instrument(vocab_size=..., group_names=..., layer_norms=True, incidents=True)``: no model at ``instrument()``
-(Bridge builds it). Each run happens once (three training iterations, one evaluation after the second) on a
-real megatron-core GPT with Megatron's DDP and Adam at learning rate 0 (the optimizer runs and reports its grad
-norm, the weights stay), so every iteration's float64 reference is the single-process model on that
-iteration's global batch. Runs: TP2 × CP2 and PP2 × VPP2 × DP2 (dense), DP2 × EP2 with MoE layers. Checked:
+``instrument(vocab_size=..., group_names=..., layer_norms=True, incidents=True, position_buckets=2, seq_length=8)``:
+no model at ``instrument()`` (Bridge builds it). Each run happens once (three training iterations, one
+evaluation after the second) on a real megatron-core GPT with Megatron's DDP and Adam at learning rate 0 (the
+optimizer runs and reports its grad norm, the weights stay), so every iteration's float64 reference is the
+single-process model on that iteration's global batch. Runs: TP2 × CP2 and PP2 × VPP2 × DP2 (dense), DP2 × EP2 with MoE layers. Checked:
 
 * the loss reports ``training_log`` writes (``lm loss``, ``accuracy``, ``accuracy/<dataset>``, ...) equal the
-  reference at their iteration in every logger, and Bridge's console line prints them;
+  reference at their iteration in every logger, and Bridge's console line prints them; so do the statistics per
+  position bucket (``accuracy/pos_0-3``, ``loss/pos_4-7``, ...) the plugin writes at the step's end;
 * per-layer gradient and parameter norms in every logger equal the float64 reference; their total equals
   Bridge's own logged ``grad-norm`` of the same iteration (and the plugin's console line, Bridge's);
 * a planted bad sample (its token's embedding row turns non-finite at the last iteration) is named in
@@ -94,6 +95,7 @@ PLANTED_ITERATION, PLANTED_POSITION, PLANT_TOKEN = 3, 7, 62  # under DP2: microb
 PLANTED_INDEX = (PLANTED_ITERATION - 1) * GLOBAL_BATCH + PLANTED_POSITION
 HEALTHY = range(1, PLANTED_ITERATION)  # the iterations before the planted one
 MOE = MoESpec()  # 4 experts, top-2, Megatron's aux loss and z-loss
+POSITION_EDGES = (0, 4, 8)  # instrument(position_buckets=2, seq_length=8): positions 0-3 and 4-7
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,10 @@ def _reference_worker() -> dict:
                     entry[0] += float(param.main_grad.double().square().sum())
                     entry[1] += float(param.detach().double().square().sum())
             norms[iteration] = {part: (math.sqrt(g), math.sqrt(p)) for part, (g, p) in squares.items()}
-        return {"train": {i: reference_metrics(SPEC, _train_batch(i), TRUE_VOCAB, GROUPS) for i in HEALTHY},
-                "eval": reference_metrics(SPEC, _eval_batch(), TRUE_VOCAB, GROUPS), "norms": norms}
+        return {"train": {i: reference_metrics(SPEC, _train_batch(i), TRUE_VOCAB, GROUPS,
+                                               position_edges=POSITION_EDGES) for i in HEALTHY},
+                "eval": reference_metrics(SPEC, _eval_batch(), TRUE_VOCAB, GROUPS, position_edges=POSITION_EDGES),
+                "norms": norms}
 
 
 @functools.cache
@@ -330,7 +334,8 @@ def _run_worker(run: Run, directory: str) -> dict:
                                                           eval_micro_batch_size=MICRO_BATCH))
         cfg.rerun_state_machine.check_for_nan_in_loss = False  # else Bridge's loss raises on the planted NaN
         state = global_state(BRIDGE, cfg)
-        metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS, layer_norms=True, incidents=True)
+        metrics = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS, layer_norms=True, incidents=True,
+                             position_buckets=len(POSITION_EDGES) - 1, seq_length=SPEC.max_sequence_length)
         own = _callbacks(model, run.moe)
         observer = _observer(model)
         train_data = iter([micro for i in range(1, ITERATIONS + 1)
@@ -402,6 +407,12 @@ def _expected_reports(iteration: int) -> dict[str, float]:
     return expected
 
 
+def _position_keys() -> list[str]:
+    """The per-position-bucket keys (``accuracy/pos_0-3``, ...) the plugin writes itself at the step's end."""
+    buckets = [keys.position_bucket_key(first, end) for first, end in zip(POSITION_EDGES[:-1], POSITION_EDGES[1:])]
+    return [f"{stat}/{bucket}" for stat in STATISTICS + ("loss",) for bucket in buckets]
+
+
 def _no_perplexity_but_the_loss(written: dict) -> None:
     assert not [key for key in written if "ppl" in key.lower() and not key.startswith(("lm loss", "val/lm loss"))]
 
@@ -418,6 +429,9 @@ def test_training_log_writes_the_reports_at_their_iteration(run, logger, tmp_pat
         assert result["last"]["loss_dicts"][iteration] == pytest.approx(_expected_reports(iteration), rel=RTOL)
         for key, value in _expected_reports(iteration).items():
             assert written[key][iteration] == pytest.approx(value, rel=RTOL), (key, iteration)
+        for key in _position_keys():  # each token at its position in its own sequence (CP chunks mapped back)
+            want = reference()["train"][iteration][key]
+            assert written[_key(logger, key)][iteration] == pytest.approx(want, rel=RTOL), (key, iteration)
     _no_perplexity_but_the_loss(written)
 
 
@@ -507,6 +521,7 @@ def test_validation_values_reach_the_loggers_and_only_the_loss_gets_a_perplexity
     plugin = {f"validation/{key}": want[key] for key in STATISTICS + ("loss", "total_tokens", "correct_tokens")}
     plugin.update({f"validation/{key}/{group}": want[f"{key}/{group}"]
                    for key in STATISTICS + ("loss", "total_tokens") for group in GROUPS})
+    plugin.update({f"validation/{key}": want[key] for key in _position_keys()})
     for key, value in plugin.items():
         assert written[_key(logger, key)] == {EVAL_INTERVAL: pytest.approx(value, rel=RTOL)}, key
     bridge_keys = {key for key in written if ("validation" in key or key.startswith("val/"))
