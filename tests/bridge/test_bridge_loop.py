@@ -9,7 +9,8 @@ The wiring of ``pretrain(config, metrics.wrap(forward_step), callbacks=metrics.b
 no model at ``instrument()`` (Bridge builds it). Each run happens once (three training iterations, one
 evaluation after the second) on a real megatron-core GPT with Megatron's DDP and Adam at learning rate 0 (the
 optimizer runs and reports its grad norm, the weights stay), so every iteration's float64 reference is the
-single-process model on that iteration's global batch. Runs: TP2 × CP2 and PP2 × VPP2 × DP2 (dense), DP2 × EP2 with MoE layers. Checked:
+single-process model on that iteration's global batch.
+Runs: TP2 × CP2 and PP2 × VPP2 × DP2 (dense), DP2 × EP2 with MoE layers. Checked:
 
 * the loss reports ``training_log`` writes (``lm loss``, ``accuracy``, ``accuracy/<dataset>``, ...) equal the
   reference at their iteration in every logger, and Bridge's console line prints them; so do the statistics per
