@@ -19,6 +19,10 @@ batch), ``.invariance`` (``assert_layout_invariant``), ``.guards`` (host syncs f
 * ``megatron_moe``: the same with MoE layers; ``moe_cases``: hand-made routing maps;
 * ``megatron_packed``: packed (THD) rows through that GPTModel, a block-diagonal stand-in for TE's attention;
 * ``megatron_bridge``: Megatron-Bridge's own training code, downloaded and imported behind the smallest stubs;
+  ``bridge_config``: its run configuration (Megatron's own logger, training and validation dataclasses with
+  Bridge's added fields); ``bridge_loop``: its ``train()`` iteration around its own ``train_step``,
+  ``training_log`` and evaluation;
+* ``logger_readers``: what TensorBoard, MLflow and W&B hold, read back by each tool's own reader;
 * ``owners``: which metric or tracker part returned each key;
 * ``fork_server``: ``python ...`` runs (docs blocks, the demo, the Slurm recipe's dry runs) forked from one
   process that imported torch and megatron-core once;
