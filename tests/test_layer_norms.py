@@ -15,14 +15,14 @@ Megatron's optimizer. Checked on every rank:
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 import pytest
 import torch
-from kit.megatron_gpt import GPTSpec, canonical_names, make_batch
+from kit.megatron_gpt import GPTSpec, make_batch
 from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt, train_forward_backward
+from kit.part_norms import part_norms
 
 from twinkle_megatron import MetricsTracker, TrackerConfig, keys
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
@@ -41,32 +41,12 @@ def _batch():
     return make_batch(SPEC, global_batch_size=8, seq_length=8, seed=3)
 
 
-def _part(canonical: str) -> str:
-    layer = re.match(r"decoder\.layers\.(\d+)\.", canonical)
-    if layer:
-        return f"layer_{int(layer.group(1)):02d}"
-    if canonical.startswith("embedding."):
-        return "embedding"
-    if canonical.startswith("output_layer."):
-        return "output_layer"
-    if canonical.startswith("decoder.final_layernorm."):
-        return "final_norm"
-    return "other"
-
-
 def _reference_worker(moe: Optional[MoESpec] = None) -> dict[str, tuple[float, float]]:
     """World 1: each part's (grad norm, param norm) in float64 from the model's reduced gradients."""
     with cpu_cuda_shim():
         chunks, _ = build_trained_gpt(MOE_SPEC if moe else SPEC, moe=moe)
         train_forward_backward(chunks, _batch(), micro_batch_size=MICRO_BATCH)
-        squares: dict[str, list[float]] = {}
-        for chunk in chunks:
-            names = canonical_names(chunk.module)
-            for name, param in chunk.module.named_parameters():
-                entry = squares.setdefault(_part(names[name]), [0.0, 0.0])
-                entry[0] += float(param.main_grad.double().square().sum())
-                entry[1] += float(param.detach().double().square().sum())
-    return {part: (math.sqrt(g), math.sqrt(p)) for part, (g, p) in squares.items()}
+    return part_norms(chunks)
 
 
 _REFERENCE: dict = {}

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from kit.megatron_gpt import BLEND_IDS, GPTSpec, blended_batch, canonical_names, gpt_forward_step, reference_metrics
+from kit.megatron_gpt import BLEND_IDS, GPTSpec, blended_batch, gpt_forward_step, reference_metrics
 from kit.megatron_lm import (
     MegatronLMArgs,
     constant_lr_scheduler,
@@ -44,6 +44,7 @@ from kit.megatron_lm import (
 )
 from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt
+from kit.part_norms import part_norms
 from megatron.core.utils import get_model_config
 
 from twinkle_megatron import keys
@@ -229,26 +230,6 @@ def _layout_worker(case: Case, run_dir: str) -> dict:
 # ------------------------------------------------------------------ the float64 reference (world 1)
 
 
-def _part(canonical: str) -> str:
-    """The step-health part of a parameter of the single-process model (docs/step-health.md's keys)."""
-    layer = re.match(r"decoder\.layers\.(\d+)\.", canonical)
-    if layer:
-        return f"layer_{int(layer.group(1)):02d}"
-    return {"embedding": "embedding", "output_layer": "output_layer"}.get(canonical.split(".")[0], "final_norm")
-
-
-def _norms(chunks: list) -> dict[str, tuple[float, float]]:
-    """Each part's (gradient norm, parameter norm), float64, from the reduced gradients before the optimizer step."""
-    squares: dict[str, list[float]] = {}
-    for chunk in chunks:
-        names = canonical_names(chunk.module)
-        for name, param in chunk.module.named_parameters():
-            entry = squares.setdefault(_part(names[name]), [0.0, 0.0])
-            entry[0] += float(param.main_grad.double().square().sum())
-            entry[1] += float(param.detach().double().square().sum())
-    return {part: (math.sqrt(g), math.sqrt(p)) for part, (g, p) in squares.items()}
-
-
 def _routing_counts(chunks: list, counts: dict, args: MegatronLMArgs) -> None:
     """Hooks on every router: per iteration and layer, the tokens each training call routes to each expert (its own
     ``routing_map``) and the sum of each token's routing entropy ``H(softmax(z_t))`` of its logits (the router's own
@@ -317,7 +298,7 @@ def _reference_worker(moe: bool, run_dir: str) -> dict:
                                                          TRUE_VOCAB, GROUPS, model=model)
 
     def before_step(chunks: list, iteration: int) -> None:
-        want["norms"][iteration] = _norms(chunks)
+        want["norms"][iteration] = part_norms(chunks)
 
     with cpu_cuda_shim():
         # The first iteration's weights are the built model's (layout-independent: the same in every build).

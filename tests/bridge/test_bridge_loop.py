@@ -44,9 +44,10 @@ from typing import Optional
 import megatron.core
 import pytest
 import torch
-from kit.megatron_gpt import GPTSpec, blended_batch, canonical_names, local_microbatches, reference_metrics
+from kit.megatron_gpt import GPTSpec, blended_batch, local_microbatches, reference_metrics
 from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt, train_forward_backward
+from kit.part_norms import part_norms
 from megatron.core import parallel_state
 from packaging.version import Version
 
@@ -135,18 +136,6 @@ def _eval_batch() -> dict:
     return blended_batch(SPEC, TRUE_VOCAB, GLOBAL_BATCH, seed=EVAL_SEED)
 
 
-def _part(canonical: str) -> str:
-    """The step-health part of a parameter (docs/step-health.md)."""
-    layer = re.match(r"decoder\.layers\.(\d+)\.", canonical)
-    if layer:
-        return keys.layer_part(int(layer.group(1)), SPEC.num_layers)
-    for prefix, part in (("embedding.", "embedding"), ("output_layer.", "output_layer"),
-                         ("decoder.final_layernorm.", "final_norm")):
-        if canonical.startswith(prefix):
-            return part
-    raise AssertionError(f"no part for {canonical}")
-
-
 def _reference_worker() -> dict:
     """World 1, float64: the metrics of every iteration's batch and of the evaluation batch, and each part's
     gradient and parameter norm on the healthy iterations (Megatron's DDP and finalize, the reduced gradients)."""
@@ -155,14 +144,7 @@ def _reference_worker() -> dict:
         norms = {}
         for iteration in HEALTHY:
             train_forward_backward(chunks, _train_batch(iteration), micro_batch_size=MICRO_BATCH)
-            squares: dict[str, list[float]] = {}
-            for chunk in chunks:
-                names = canonical_names(chunk.module)
-                for name, param in chunk.module.named_parameters():
-                    entry = squares.setdefault(_part(names[name]), [0.0, 0.0])
-                    entry[0] += float(param.main_grad.double().square().sum())
-                    entry[1] += float(param.detach().double().square().sum())
-            norms[iteration] = {part: (math.sqrt(g), math.sqrt(p)) for part, (g, p) in squares.items()}
+            norms[iteration] = part_norms(chunks)
         return {"train": {i: reference_metrics(SPEC, _train_batch(i), TRUE_VOCAB, GROUPS,
                                                position_edges=POSITION_EDGES) for i in HEALTHY},
                 "eval": reference_metrics(SPEC, _eval_batch(), TRUE_VOCAB, GROUPS, position_edges=POSITION_EDGES),
