@@ -14,33 +14,21 @@ elsewhere, and skipped when the package index cannot be reached to download the 
 from __future__ import annotations
 
 import functools
-import os
 
-import megatron.core
 import pytest
+from kit.megatron_bridge import SKIP_REASON, TEST_ENABLED, bridge_for_tests
 from kit.megatron_gpt import GPTSpec, blended_batch, blended_reference, build_gpt_model, local_microbatches
 from megatron.core import parallel_state
-from packaging.version import Version
 
 from twinkle_megatron.megatron import instrument
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 from twinkle_megatron.testing.distributed import Layout, run_distributed
 
-ENABLED = os.environ.get("TWINKLE_BRIDGE_TEST") == "1"
-pytestmark = pytest.mark.skipif(not ENABLED, reason="Megatron-Bridge's own code (needs megatron-core >= 0.18): "
-                                                    "run by `make test-bridge`")
-BRIDGE = None
-if ENABLED:
-    if Version(megatron.core.__version__) < Version("0.18"):
-        raise RuntimeError(f"Megatron-Bridge 0.6.2 needs megatron-core >= 0.18, got {megatron.core.__version__}: "
-                           "run `make test-bridge`")
-    from kit.megatron_bridge import BridgeUnavailable, global_state, load_bridge
-
-    try:
-        BRIDGE = load_bridge()  # in the parent: the forked ranks inherit the imports
-    except BridgeUnavailable as error:
-        pytest.skip(str(error), allow_module_level=True)
+pytestmark = pytest.mark.skipif(not TEST_ENABLED, reason=SKIP_REASON)
+BRIDGE = bridge_for_tests()
+if TEST_ENABLED:
     from kit.bridge_config import ConfigContainer, ModelSettings
+    from kit.megatron_bridge import global_state
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 TRUE_VOCAB, GLOBAL_BATCH, MICRO_BATCH = 60, 8, 2

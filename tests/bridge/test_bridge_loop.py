@@ -41,15 +41,14 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-import megatron.core
 import pytest
 import torch
+from kit.megatron_bridge import SKIP_REASON, TEST_ENABLED, bridge_for_tests
 from kit.megatron_gpt import GPTSpec, blended_batch, local_microbatches, reference_metrics
 from kit.megatron_moe import MoESpec, init_parallel
 from kit.megatron_training import build_trained_gpt, train_forward_backward
 from kit.part_norms import part_norms
 from megatron.core import parallel_state
-from packaging.version import Version
 
 from twinkle_megatron import keys
 from twinkle_megatron.logging.mlflow_names import mlflow_key
@@ -59,23 +58,13 @@ from twinkle_megatron.testing.distributed import Layout, run_distributed
 from twinkle_megatron.testing.guards import count_collectives
 from twinkle_megatron.tracker.incidents import load_incidents, read_skip_list
 
-ENABLED = os.environ.get("TWINKLE_BRIDGE_TEST") == "1"
-pytestmark = pytest.mark.skipif(not ENABLED, reason="Megatron-Bridge's own code (needs megatron-core >= 0.18): "
-                                                    "run by `make test-bridge`")
-BRIDGE = None
-if ENABLED:
-    if Version(megatron.core.__version__) < Version("0.18"):
-        raise RuntimeError(f"Megatron-Bridge 0.6.2 needs megatron-core >= 0.18, got {megatron.core.__version__}: "
-                           "run `make test-bridge`")
-    from kit.megatron_bridge import BridgeUnavailable, global_state, load_bridge
-
-    try:
-        BRIDGE = load_bridge()  # in the parent: the forked ranks inherit the imports
-    except BridgeUnavailable as error:
-        pytest.skip(str(error), allow_module_level=True)
+pytestmark = pytest.mark.skipif(not TEST_ENABLED, reason=SKIP_REASON)
+BRIDGE = bridge_for_tests()
+if TEST_ENABLED:
     from kit.bridge_config import ConfigContainer, LoggerConfig, ModelSettings, ValidationConfig
     from kit.bridge_loop import configure_model_like_bridge, train
     from kit.logger_readers import mlflow_metrics, tensorboard_scalars, wandb_history
+    from kit.megatron_bridge import global_state
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
 MOE_SPEC = GPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8,

@@ -40,6 +40,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import subprocess
 import sys
 import types
@@ -175,3 +176,29 @@ def global_state(bridge: Bridge, cfg: Any) -> Any:
     state = bridge.state.GlobalState()
     state.cfg = cfg
     return state
+
+
+# ------------------------------------------------------------------ for the test modules
+
+TEST_ENABLED = os.environ.get("TWINKLE_BRIDGE_TEST") == "1"
+SKIP_REASON = "Megatron-Bridge's own code (needs megatron-core >= 0.18): run by `make test-bridge`"
+
+
+def bridge_for_tests() -> Optional[Bridge]:
+    """What a test module of tests/bridge calls at import: None unless ``make test-bridge`` runs it
+    (``TWINKLE_BRIDGE_TEST=1``; the module is then skipped by ``pytest.mark.skipif(not TEST_ENABLED, ...)``);
+    ``RuntimeError`` on a megatron-core older than Bridge needs; the module skipped when the wheel cannot be
+    downloaded; else Bridge, loaded in the parent so that the forked ranks inherit the imports."""
+    if not TEST_ENABLED:
+        return None
+    import megatron.core
+    import pytest
+    from packaging.version import Version
+
+    if Version(megatron.core.__version__) < Version("0.18"):
+        raise RuntimeError(f"Megatron-Bridge 0.6.2 needs megatron-core >= 0.18, got {megatron.core.__version__}: "
+                           "run `make test-bridge`")
+    try:
+        return load_bridge()
+    except BridgeUnavailable as error:
+        pytest.skip(str(error), allow_module_level=True)
