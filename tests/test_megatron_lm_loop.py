@@ -48,10 +48,10 @@ from kit.part_norms import part_norms
 from megatron.core.utils import get_model_config
 
 from twinkle_megatron import keys
-from twinkle_megatron.megatron import instrument
+from twinkle_megatron.megatron import MegatronInstrumentation, instrument
 from twinkle_megatron.testing.cuda_shim import cpu_cuda_shim
 from twinkle_megatron.testing.distributed import Layout, run_distributed
-from twinkle_megatron.testing.guards import count_collectives
+from twinkle_megatron.testing.guards import count_collectives, host_sync_free
 from twinkle_megatron.tracker.incidents import read_skip_list
 
 SPEC = GPTSpec(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, max_sequence_length=8)
@@ -222,9 +222,21 @@ def _layout_worker(case: Case, run_dir: str) -> dict:
                                _args(case.moe, os.path.join(run_dir, "nothing"), release="core_v0.19.0"))
         everything = instrument(vocab_size=TRUE_VOCAB, group_names=GROUPS, layer_norms=True, incidents=True,
                                 position_buckets=POSITION_BUCKETS, seq_length=_spec(case.moe).max_sequence_length)
+        _forbid_host_syncs_per_microbatch(everything)
         everything_on = _run_loop(case, everything.wrap(gpt_forward_step), everything.pretrain_hooks(),
                                   _args(case.moe, os.path.join(run_dir, "everything")))
+        everything.calculate()  # collective; raises MetricHookError on every rank if a hook failed (or synced)
     return {"plain": plain, "nothing": nothing_on, "everything": everything_on}
+
+
+def _forbid_host_syncs_per_microbatch(metrics: MegatronInstrumentation) -> None:
+    """The per-microbatch paths with everything on — the model and output-layer hooks, the loss_func's
+    accumulation (the reports, the metrics, the step health's feed and sampler indices) — raise HostSyncError on a
+    host sync; a hook's error is recorded as a hook failure, which ``calculate()`` raises on every rank."""
+    for name in ("_before_model", "_after_output_layer", "_accumulate"):
+        setattr(metrics, name, host_sync_free(getattr(metrics, name)))
+    health = metrics.step_health
+    health.feed, health.sample_indices = host_sync_free(health.feed), host_sync_free(health.sample_indices)
 
 
 # ------------------------------------------------------------------ the float64 reference (world 1)
