@@ -19,6 +19,11 @@ TRITON_VERSION ?= 3.7.1
 MCORE ?=
 # Extra pytest arguments (CI runs the megatron-core matrix without the suites no release changes: see .ci/run).
 PYTEST_ARGS ?=
+# `make test` runs the test files on this many pytest-xdist worker processes (0: in the pytest process itself, one
+# test at a time). A serial run keeps a 2-core machine about 1.3 cores busy (the single-process tests use one, the
+# forked gloo ranks wait on each other's collectives); two workers keep both cores busy. --dist loadfile keeps each
+# file on one worker, so that a file's cached references and module fixtures are made once.
+TEST_WORKERS ?= 2
 ifneq ($(MCORE),)
 MCORE_DIR := .mcore/$(MCORE)
 MCORE_STAMP := $(MCORE_DIR)/.installed
@@ -38,7 +43,7 @@ $(STAMP): setup.py
 
 test: $(STAMP) $(MCORE_STAMP)
 	$(TEST_ENV) $(PY) -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
-	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest tests --ignore=tests/test_backends.py -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Order-only on the venv: a changed setup.py reinstalls this package, not the megatron-core release.
 $(MCORE_STAMP): | $(STAMP)

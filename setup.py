@@ -14,8 +14,8 @@ extras = {
     "swanlab": ["swanlab"],
     "mlflow": ["mlflow"],
     "plot": ["matplotlib"],
-    # matplotlib: the tests render a run's charts.
-    "test": ["pytest>=7", "ruff>=0.5", "matplotlib"],
+    # matplotlib: the tests render a run's charts; pytest-xdist: `make test` runs them on two worker processes.
+    "test": ["pytest>=7", "pytest-xdist>=3", "ruff>=0.5", "matplotlib"],
 }
 extras["dev"] = extras["test"]
 
