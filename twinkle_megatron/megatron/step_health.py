@@ -115,7 +115,7 @@ class StepHealth:
                  group_key: str = "dataset_id", position_buckets: Any = None, seq_length: Optional[int] = None,
                  vocab_size: Optional[int] = None, ignore_index: int = -100, moe_routing: bool = True,
                  moe_per_layer: bool = False, top_k: int = 8,
-                 on_error: Callable[[str, BaseException], None] = None) -> None:
+                 on_error: Optional[Callable[[str, BaseException], None]] = None) -> None:
         self.layer_norms, self.incidents = layer_norms, incidents
         self.moe_routing, self.moe_per_layer = moe_routing, moe_per_layer
         self.on_error = on_error
