@@ -29,7 +29,9 @@ the wrapped step receives, on its first call with that chunk. With
 adds the statistics to its loss report as ``[sum, count]`` entries
 (:mod:`.token_reports`), which Megatron's ``train_step`` pools over DP×CP and
 ``training_log`` writes to TensorBoard and W&B; mistakes are told where it logs (:mod:`.mistakes`);
-microbatches of Megatron's ``evaluate()`` add no entries and feed validation values (:mod:`.validation`).
+microbatches of Megatron's ``evaluate()`` add no entries and feed validation values (:mod:`.validation`);
+what the reports cannot carry (per-layer norms, incidents, MoE routing, position buckets) goes to Megatron's
+writers from its own step end (:mod:`.step_health`).
 
 ``calculate()`` after the schedule is collective: every rank calls it and gets
 the step's results; hook failures are data (:mod:`.hook_failures`).
