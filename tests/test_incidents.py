@@ -209,6 +209,18 @@ def test_flag_reasons():
     assert flag_reasons({"grad_norm/max_layer_over_median": float("inf")}) == []  # a zero median: no incident
 
 
+def test_an_fp16_overflow_alone_flags_no_incident_where_the_optimizer_skips_it():
+    """overflow_skips (Megatron's own loop under fp16): non-finite layer norms with a finite loss are the loss
+    scaler's overflow, a skipped step; with a non-finite loss or a spike beside them the step is still flagged."""
+    overflow = {"loss": 2.0, "grad_norm/layer_03": float("inf")}
+    assert flag_reasons(overflow) == ["nonfinite_grad_norm"]
+    assert flag_reasons(overflow, overflow_skips=True) == []
+    assert flag_reasons({**overflow, "train/nonfinite_loss_steps": 1}, overflow_skips=True) == \
+        ["nonfinite_loss", "nonfinite_grad_norm"]
+    assert flag_reasons({**overflow, "train/loss_spike": 1}, overflow_skips=True) == \
+        ["loss_spike", "nonfinite_grad_norm"]
+
+
 # ------------------------------------------------------------------ a NaN planted in one sample's embeddings
 
 NAN_TOKEN = SPEC.vocab_size - 1  # the planted sample's every input token: what the embedding hook looks for

@@ -324,6 +324,8 @@ class MegatronInstrumentation:
                                            target, evaluating)
             except Exception as error:  # noqa: BLE001
                 self._failures.record("loss_func hook", error)
+            if self.step_health is not None and not evaluating:
+                self.step_health.end_microbatch()
             if self.reports is None:
                 return result
             self._warn_failures()

@@ -140,6 +140,7 @@ class StepHealth:
         self._config: Any = None
         self._microbatches = 0  # training microbatches fed in the current step (last stage)
         self._consumed = 0  # samples consumed before the current step
+        self._last_iteration: Optional[int] = None  # of the last step end written
 
     # ------------------------------------------------------------ attaching
 
@@ -192,6 +193,9 @@ class StepHealth:
         """One training microbatch (its shared call), on the last stage."""
         if self.fed is not None and self.attached:
             self.fed.accumulate_call(call)
+
+    def end_microbatch(self) -> None:
+        """A training microbatch's ``loss_func`` ran (fed or not: a failed hook must not shift the next indices)."""
         self._microbatches += 1
 
     def sample_indices(self, batch_size: int, context: ParallelContext, device: torch.device) -> torch.Tensor:
@@ -215,26 +219,36 @@ class StepHealth:
         """After Megatron's finalize of ``model`` (every chunk of this rank): record the norms, one tracker step at
         the framework's iteration."""
         iteration = self.loop.step_iteration()
+        self._microbatches = 0
+        if iteration == self._last_iteration:
+            # Megatron's rerun state machine ran the step again at the same iteration (a NaN or spiky loss under
+            # validate_results): the first run was written; this run's states are dropped, on every rank alike.
+            for metric in self._fed_metrics():
+                metric.reset()
+            return
+        self._last_iteration = iteration
         if self.tracker is None:
             self.tracker = self._build_tracker(list(model) if isinstance(model, (list, tuple)) else [model])
         if self._norms is not None:
             self._norms.record()
         self.tracker.end_step(step=iteration)
-        self._microbatches = 0
+
+    def _fed_metrics(self) -> list[Metric]:
+        """The metrics fed between step ends (by the microbatches and the router hooks)."""
+        return [*(self.fed.metrics if self.fed is not None else []), *([self.moe.metric] if self.moe else [])]
 
     def _build_tracker(self, chunks: list[torch.nn.Module]) -> MetricsTracker:
         """The tracker of the step-health metrics (built at the first step end, on every rank together)."""
-        metrics: list[Metric] = list(self.fed.metrics) if self.fed is not None else []
+        metrics = self._fed_metrics()
         if self.layer_norms:
             optimizer = getattr(getattr(self._config, "grad_scale_func", None), "__self__", None)
             self._norms = LayerNorms(LayerParameters(chunks, optimizer), optimizer)
             metrics.append(self._norms)
-        if self.moe is not None:
-            metrics.append(self.moe.metric)
         run_dir = self.loop.run_dir()
         config = TrackerConfig(log_interval=1, backends=(FrameworkWriters(self.loop),), writer_rank=last_rank(),
                                log_dir=run_dir, incidents_dir=run_dir if self.incidents else None,
-                               device_memory=False)  # Megatron reports its own memory peaks: never reset them
+                               device_memory=False,  # Megatron reports its own memory peaks: never reset them
+                               overflow_skips=bool(getattr(self._config, "fp16", False)))
         return MetricsTracker(config, metrics=metrics)
 
     def detach(self) -> None:

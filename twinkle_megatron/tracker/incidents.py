@@ -62,16 +62,19 @@ _PEERS = 2  # listed samples of the same dataset needed to be a sample's referen
 _LAYERS_REPORTED = 5
 
 
-def flag_reasons(record: Mapping[str, Any]) -> list[str]:
+def flag_reasons(record: Mapping[str, Any], overflow_skips: bool = False) -> list[str]:
     """Why a log record is flagged (empty: it is not): ``loss_spike``, ``nonfinite_loss``,
-    ``nonfinite_grad_norm``."""
+    ``nonfinite_grad_norm``. ``overflow_skips``: the gradients are scaled by an fp16 loss scale and a non-finite
+    one makes the optimizer skip the step (its grad scaler's overflow, routine while the scale settles): non-finite
+    per-layer norms with a finite loss are then that skip, not an incident."""
     reasons = []
     if record.get(keys.LOSS_SPIKE):
         reasons.append("loss_spike")
     if record.get(keys.NONFINITE_LOSS_STEPS):
         reasons.append("nonfinite_loss")
     layer_norms = [layer["grad_norm"] for layer in largest_layers(record, count=None)]
-    if record.get(keys.NONFINITE_GRAD_NORM_STEPS) or any(not math.isfinite(v) for v in layer_norms):
+    nonfinite_norms = any(not math.isfinite(v) for v in layer_norms) and not (overflow_skips and not reasons)
+    if record.get(keys.NONFINITE_GRAD_NORM_STEPS) or nonfinite_norms:
         reasons.append("nonfinite_grad_norm")
     return reasons
 
@@ -92,15 +95,17 @@ class IncidentReporter:
         writer_rank: the global rank that writes and prints.
     """
 
-    def __init__(self, samples: Optional[SampleLosses], log_dir: Optional[str], writer_rank: int = 0) -> None:
+    def __init__(self, samples: Optional[SampleLosses], log_dir: Optional[str], writer_rank: int = 0,
+                 overflow_skips: bool = False) -> None:
         self.samples = samples
+        self.overflow_skips = overflow_skips  # see flag_reasons
         self.path = os.path.join(log_dir, INCIDENTS_FILE) if log_dir else None
         self.writer_rank = writer_rank
 
     def report(self, record: Mapping[str, Any], step: int) -> Optional[dict[str, Any]]:
         """The incident of a flagged record (collective with ``SampleLosses``: every rank calls it with the same
         record), else None."""
-        reasons = flag_reasons(record)
+        reasons = flag_reasons(record, self.overflow_skips)
         if not reasons:
             return None
         incident: dict[str, Any] = {"step": step, "reasons": reasons}

@@ -120,7 +120,7 @@ class MetricsTracker:
         self._samples = next((m for m in self.user_metrics if isinstance(m, SampleLosses)), None)
         self._metric_losses = NonfiniteLossCounts(self.user_metrics)  # a LossMetric's non-finite losses, per step
         incidents_dir = config.incidents_dir or (config.log_dir if "jsonl" in config.backends else None)
-        self.incidents = IncidentReporter(self._samples, incidents_dir, config.writer_rank)
+        self.incidents = IncidentReporter(self._samples, incidents_dir, config.writer_rank, config.overflow_skips)
         if dist.is_available() and dist.is_initialized():
             self._states()  # resolve the layout now, while every rank builds its tracker together
 
