@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from kit.megatron_gpt import BLEND_IDS, GPTSpec, blended_batch, gpt_forward_step, reference_metrics
+from kit.megatron_gpt import BLEND_IDS, GPTSpec, blended_batch, gpt_forward_step, make_batch, reference_metrics
 from kit.megatron_lm import (
     MegatronLMArgs,
     constant_lr_scheduler,
@@ -43,7 +43,7 @@ from kit.megatron_lm import (
     train_data_iterator,
 )
 from kit.megatron_moe import MoESpec, init_parallel
-from kit.megatron_training import build_trained_gpt
+from kit.megatron_training import build_trained_gpt, train_forward_backward
 from kit.part_norms import part_norms
 from megatron.core.utils import get_model_config
 
@@ -559,3 +559,41 @@ def test_a_nan_sample_is_named_by_its_sampler_index_on_the_second_data_parallel_
     assert (top["sample_index"], top["dataset"]) == (index, GROUPS[BLEND_IDS[6]]), incident
     assert [s["sample_index"] for s in incident["samples"] if s["loss"] is None or s["loss"] != s["loss"]] == [index]
     assert read_skip_list(str(tmp_path)) == {index}
+
+
+# ------------------------------------------------------------------ a step Megatron's rerun state machine runs again
+
+
+def _rerun_worker(reruns: bool) -> dict:
+    """Iterations 1 and 2 of the same batches with the weights held (no optimizer step); with ``reruns`` the
+    forward-backward of iteration 1 runs twice at the same ``curr_iteration``, as ``train_step``'s
+    ``while rerun_state_machine.should_run_forward_backward(...)`` loop runs it under ``validate_results``."""
+
+    with cpu_cuda_shim():
+        spec = _spec(None)
+        chunks, optimizer = build_trained_gpt(spec)
+        get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
+        args = MegatronLMArgs(micro_batch_size=MICRO_BATCH, global_batch_size=8, seq_length=spec.max_sequence_length,
+                              train_iters=2)
+        writers = install_megatron_training(args)
+        metrics = instrument(vocab_size=TRUE_VOCAB, layer_norms=True, position_buckets=POSITION_BUCKETS,
+                             seq_length=spec.max_sequence_length)
+        step = metrics.wrap(gpt_forward_step)
+        for iteration in (0, 1):
+            args.curr_iteration = iteration
+            batch = make_batch(spec, global_batch_size=8, seed=iteration)
+            for _ in range(2 if reruns and iteration == 0 else 1):
+                train_forward_backward(chunks, batch, micro_batch_size=MICRO_BATCH, forward_step_func=step)
+        metrics.detach()
+    return {"scalars": writers.tensorboard.scalars if writers.tensorboard else None}
+
+
+def test_a_step_megatrons_rerun_machine_runs_again_is_written_once():
+    """The rerun's second finalize at the same iteration writes nothing, and its states do not leak into the next
+    step: every step-health point equals the run without the rerun, one per key and iteration."""
+    plain, rerun = (run_distributed(_rerun_worker, layout=Layout(pp=2), args=(reruns,), timeout=TIMEOUT)[-1]
+                    for reruns in (False, True))
+    assert rerun["scalars"] and rerun["scalars"] == plain["scalars"]
+    points = [(key, iteration) for key, _, iteration in rerun["scalars"]]
+    assert len(points) == len(set(points)) and {iteration for _, iteration in points} == {1, 2}
+    assert any("/pos_" in key for key, _ in points) and ("grad_norm/total", 2) in points

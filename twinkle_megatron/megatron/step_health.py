@@ -125,8 +125,10 @@ class StepHealth:
         if incidents or buckets:
             fed.append(LossMetric(**groups, **buckets))  # the step's loss (per dataset, per bucket)
         if buckets:
-            fed += [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index, **buckets),
-                    TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index, **buckets)]
+            # strict=False: labels outside the vocabulary are counted, never raised at the step end (that would stop
+            # Megatron's training; mistakes.py tells them once where Megatron logs).
+            fed += [Accuracy(vocab_size=vocab_size, ignore_index=ignore_index, strict=False, **buckets),
+                    TokenStatsMetric(vocab_size=vocab_size, ignore_index=ignore_index, strict=False, **buckets)]
         self.samples = SampleLosses(top_k, dataset_key=group_key, dataset_names=tuple(group_names) or None) \
             if incidents else None
         if self.samples is not None:
