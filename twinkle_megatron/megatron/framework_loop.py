@@ -38,8 +38,6 @@ from ..logging.mlflow_names import mlflow_key
 class FrameworkLoop:
     """What the plugin reads of a framework's loop and how it writes there (see the module docstring)."""
 
-    name = "framework"
-
     def iteration_before_step(self) -> int:
         raise NotImplementedError
 
@@ -65,8 +63,6 @@ class FrameworkLoop:
 
 class MegatronLMLoop(FrameworkLoop):
     """Megatron-LM's ``pretrain()``: its global arguments and writers (``megatron.training``)."""
-
-    name = "Megatron-LM"
 
     def __init__(self, training: Any) -> None:
         self.training = training  # the megatron.training package: get_args, get_tensorboard_writer, get_wandb_writer
@@ -102,8 +98,6 @@ class MegatronLMLoop(FrameworkLoop):
 
 class BridgeLoop(FrameworkLoop):
     """Megatron-Bridge's ``pretrain()``: its ``GlobalState`` (the step's bound ``state``) and its loggers."""
-
-    name = "Megatron-Bridge"
 
     def __init__(self, state: Any) -> None:
         self.state = state

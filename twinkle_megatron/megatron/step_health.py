@@ -174,7 +174,7 @@ class StepHealth:
                           f"finalize_model_grads_func={finalize is not None}): left out. In a loop you own, use "
                           "MetricsTracker (record_grad_norms, SampleLosses) instead.", RuntimeWarning, stacklevel=4)
             self.moe_routing = False
-            self.moe = self._detach_moe()
+            self._detach_moe()
             return
         self.loop = loop
         self._boundary = StepBoundary(finalize, self.step_end)
@@ -183,7 +183,7 @@ class StepHealth:
     def _detach_moe(self) -> None:
         if self.moe is not None:
             self.moe.detach()
-        return None
+        self.moe = None
 
     @property
     def attached(self) -> bool:
@@ -192,8 +192,8 @@ class StepHealth:
     # ------------------------------------------------------------ per microbatch
 
     def feed(self, call: SharedCall) -> None:
-        """One training microbatch (its shared call), on the last stage."""
-        if self.fed is not None and self.attached:
+        """One training microbatch (its shared call), on the last stage, once attached."""
+        if self.fed is not None:
             self.fed.accumulate_call(call)
 
     def end_microbatch(self) -> None:
@@ -259,4 +259,4 @@ class StepHealth:
                 and self._config.finalize_model_grads_func is self._boundary:
             self._config.finalize_model_grads_func = self._boundary.finalize
         self._boundary = None
-        self.moe = self._detach_moe()
+        self._detach_moe()
