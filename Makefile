@@ -110,16 +110,20 @@ test-twinkle: $(TWINKLE_STAMP)
 # --no-deps) and import it behind the smallest stubs. Bridge needs megatron-core >= 0.18: 0.19.2 is installed without
 # dependencies into a folder of its own, put first on PYTHONPATH (its metadata asks for Python >= 3.12, its code runs
 # on 3.11), with Triton, which it imports. The logging packages (test-backends' install) are Bridge's loggers.
+# The folder is the matrix's (`make test MCORE=0.19.2`): CI installs that release once for both.
 BRIDGE_MCORE ?= 0.19.2
-BRIDGE_MCORE_DIR := .mcore/bridge-$(BRIDGE_MCORE)
+BRIDGE_MCORE_DIR := .mcore/$(BRIDGE_MCORE)
 
 test-bridge: $(BACKENDS_STAMP) triton $(BRIDGE_MCORE_DIR)/.installed
 	TWINKLE_BRIDGE_TEST=1 PYTHONPATH=$(abspath $(BRIDGE_MCORE_DIR)) $(PY) -m pytest tests/bridge
 
-$(BRIDGE_MCORE_DIR)/.installed: $(STAMP)
+# Defined here only when MCORE names another release: with MCORE=$(BRIDGE_MCORE) the matrix's rule makes this stamp.
+ifneq ($(MCORE),$(BRIDGE_MCORE))
+$(BRIDGE_MCORE_DIR)/.installed: | $(STAMP)
 	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(BRIDGE_MCORE_DIR) \
 		megatron-core==$(BRIDGE_MCORE)
 	touch $@
+endif
 
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --run-name demo --log-dir runs
