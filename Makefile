@@ -108,9 +108,9 @@ test-twinkle: $(TWINKLE_STAMP)
 # Megatron-Bridge 0.6.2's own training code as the caller (its gpt_step, state injection, train_step, training_log,
 # evaluation and GlobalState with its loggers, tests/bridge): the tests download its wheel into .cache/ (pip download
 # --no-deps) and import it behind the smallest stubs. Bridge needs megatron-core >= 0.18: 0.19.2 is installed without
-# dependencies into a folder of its own, put first on PYTHONPATH (its metadata asks for Python >= 3.12, its code runs
-# on 3.11), with Triton, which it imports. The logging packages (test-backends' install) are Bridge's loggers.
-# The folder is the matrix's (`make test MCORE=0.19.2`): CI installs that release once for both.
+# dependencies into the matrix's folder (.mcore/0.19.2, what `make test MCORE=0.19.2` uses: CI installs it once for
+# both), put first on PYTHONPATH (its metadata asks for Python >= 3.12, its code runs on 3.11), with Triton, which it
+# imports. The logging packages (test-backends' install) are Bridge's loggers.
 BRIDGE_MCORE ?= 0.19.2
 BRIDGE_MCORE_DIR := .mcore/$(BRIDGE_MCORE)
 
