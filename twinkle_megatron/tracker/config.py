@@ -75,6 +75,7 @@ class TrackerConfig:
     """The gradients the per-layer norms read are scaled by an fp16 loss scale whose overflow makes the optimizer
     skip the step: non-finite per-layer norms with a finite loss flag no incident (``tracker/incidents.py``). Set
     where the optimizer's skip is not passed to ``end_step`` (Megatron's own loop, before ``optimizer.step()``)."""
+
     device_memory: bool = True
     """Read this rank's device memory at each log step (``memory/*``) and start the next interval's peaks there
     (``torch.cuda.reset_peak_memory_stats``). False inside a loop that reports the peaks itself (Megatron's own:
