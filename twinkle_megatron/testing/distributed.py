@@ -37,6 +37,10 @@ def _worker(rank: int, world_size: int, store_path: str, layout: Optional[Layout
     status, payload = "ok", None
     try:
         torch.set_num_threads(1)
+        # Gloo connects a group's members when the group is first used, not when it is created: megatron-core
+        # creates every group of a layout (65 on 8 ranks for TP2 x PP2), a test uses a few, and connecting all of
+        # them took most of a rank's start.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
