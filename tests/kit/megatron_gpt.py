@@ -338,6 +338,17 @@ class _GatherSequence(torch.autograd.Function):
         return grad.index_select(0, ctx.local), None
 
 
+def _gather_together(parts: tuple[torch.Tensor, ...], group) -> tuple[torch.Tensor, ...]:
+    """:class:`_GatherSequence` of several ``[s/cp, b, ...]`` tensors in one all-gather (and one all-reduce
+    backward): packed along their last dimensions, gathered, split again. The same numbers as gathering each."""
+    cp_size = dist.get_world_size(group)
+    packed = torch.cat([part.reshape(*part.shape[:2], -1) for part in parts], dim=-1)
+    gathered = _GatherSequence.apply(packed, group).split([part[0, 0].numel() for part in parts], dim=-1)
+    # Contiguous: DotProductAttention views them.
+    return tuple(whole.reshape(part.size(0) * cp_size, *part.shape[1:]).contiguous()
+                 for whole, part in zip(gathered, parts))
+
+
 # megatron-core 0.15 and later pass process groups as ``pg_collection``; 0.13 and 0.14 take none.
 _ACCEPTS_PG_COLLECTION = "pg_collection" in inspect.signature(DotProductAttention.__init__).parameters
 
@@ -366,7 +377,7 @@ class GatherContextParallelAttention(DotProductAttention):
         if cp_size == 1:
             return super().forward(query, key, value, attention_mask, *args, **kwargs)
         seq_length = query.size(0) * cp_size
-        query, key, value = (_GatherSequence.apply(t, self.cp_group) for t in (query, key, value))
+        query, key, value = _gather_together((query, key, value), self.cp_group)
         if attention_mask is not None:
             # [b, 1, s/cp, s]: gathered over the query dimension.
             mask = _GatherSequence.apply(attention_mask.transpose(0, 2), self.cp_group)
