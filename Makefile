@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
 BACKENDS_STAMP := $(VENV)/.logging-backends-installed
 TORCH_PIN := $(VENV)/torch-constraint.txt
+# --no-compile: Python compiles a module when it is first imported; compiling every module of torch (or of
+# transformers...) up front cost about 16 s of CPU per install, mostly for modules no test imports.
+PIP_INSTALL := -m pip install -q --no-compile
 
 # Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies
 # (never touching torch) and only where none is importable (a CUDA torch brings its own).
@@ -37,8 +40,8 @@ setup: $(STAMP)
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -c "import torch" 2>/dev/null || $(PY) $(PIP_INSTALL) torch==2.13.0
+	$(PY) $(PIP_INSTALL) -e '.[test]'
 	touch $(STAMP)
 
 test: $(STAMP) $(MCORE_STAMP)
@@ -47,9 +50,9 @@ test: $(STAMP) $(MCORE_STAMP)
 
 # Order-only on the venv: a changed setup.py reinstalls this package, not the megatron-core release.
 $(MCORE_STAMP): | $(STAMP)
-	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(MCORE_DIR) megatron-core==$(MCORE)
+	$(PY) $(PIP_INSTALL) --no-deps --ignore-requires-python --target $(MCORE_DIR) megatron-core==$(MCORE)
 	$(TEST_ENV) $(PY) -c "import megatron.core" 2>/dev/null || $(TEST_ENV) $(PY) -c "import triton" 2>/dev/null || \
-		$(PY) -m pip install -q --no-deps --target $(MCORE_DIR) triton==$(TRITON_VERSION)
+		$(PY) $(PIP_INSTALL) --no-deps --target $(MCORE_DIR) triton==$(TRITON_VERSION)
 	$(TEST_ENV) $(PY) -c "import megatron.core"
 	touch $@
 
@@ -60,7 +63,7 @@ test-backends: $(BACKENDS_STAMP)
 
 $(BACKENDS_STAMP): $(STAMP) tests/requirements-backends.txt
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
-	$(PY) -m pip install -q -c $(TORCH_PIN) -r tests/requirements-backends.txt
+	$(PY) $(PIP_INSTALL) -c $(TORCH_PIN) -r tests/requirements-backends.txt
 	$(PY) -c "import sys, torch; pin = open('$(TORCH_PIN)').read().split('==')[1].strip(); \
 	          sys.exit(None if torch.__version__ == pin else f'torch changed from {pin} to {torch.__version__}')"
 	touch $@
@@ -98,8 +101,8 @@ TWINKLE_STAMP := $(TWINKLE_VENV)/.twinkle-installed
 
 $(TWINKLE_STAMP): setup.py tests/twinkle-constraints.txt
 	test -x $(TWINKLE_PY) || $(PYTHON) -m venv $(TWINKLE_VENV)
-	$(TWINKLE_PY) -c "import torch" 2>/dev/null || $(TWINKLE_PY) -m pip install -q torch==2.13.0
-	$(TWINKLE_PY) -m pip install -q -c tests/twinkle-constraints.txt twinkle-kit==0.5.1 -e '.[test]'
+	$(TWINKLE_PY) -c "import torch" 2>/dev/null || $(TWINKLE_PY) $(PIP_INSTALL) torch==2.13.0
+	$(TWINKLE_PY) $(PIP_INSTALL) -c tests/twinkle-constraints.txt twinkle-kit==0.5.1 -e '.[test]'
 	touch $(TWINKLE_STAMP)
 
 test-twinkle: $(TWINKLE_STAMP)
@@ -120,7 +123,7 @@ test-bridge: $(BACKENDS_STAMP) triton $(BRIDGE_MCORE_DIR)/.installed
 # Defined here only when MCORE names another release: with MCORE=$(BRIDGE_MCORE) the matrix's rule makes this stamp.
 ifneq ($(MCORE),$(BRIDGE_MCORE))
 $(BRIDGE_MCORE_DIR)/.installed: | $(STAMP)
-	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(BRIDGE_MCORE_DIR) \
+	$(PY) $(PIP_INSTALL) --no-deps --ignore-requires-python --target $(BRIDGE_MCORE_DIR) \
 		megatron-core==$(BRIDGE_MCORE)
 	touch $@
 endif
@@ -142,7 +145,7 @@ bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
 
 triton: $(STAMP)
-	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q --no-deps triton==$(TRITON_VERSION)
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) $(PIP_INSTALL) --no-deps triton==$(TRITON_VERSION)
 
 # The Triton kernel under Triton's interpreter on CPU (no GPU needed), the selection rule, gpu-check's CPU parts.
 kernel-test: triton
