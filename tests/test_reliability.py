@@ -8,6 +8,7 @@ a careful caller would have passed instead (the poisoned token masked).
 from __future__ import annotations
 
 import math
+import os
 from datetime import timedelta
 
 import pytest
@@ -260,7 +261,10 @@ def test_ranks_with_different_metrics_raise_on_every_rank_naming_them():
 
 
 def _only_some_ranks_calculate() -> dict | str:
-    # The metrics' own group, with a short timeout, so the test's default group stays usable.
+    # The metrics' own group, with a short timeout, so the test's default group stays usable; connected when it is
+    # created, as gloo does by default (the harness's ranks connect lazily): a lazy connection to a rank that never
+    # joins can take seconds beyond the timeout.
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "0"
     group = dist.new_group(ranks=[0, 1], timeout=timedelta(seconds=3))
     metric = LossMetric(process_group=group)
     if dist.get_rank() == 1:
