@@ -5,15 +5,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.twinkle-megatron-installed
+BACKENDS_STAMP := $(VENV)/.logging-backends-installed
+TORCH_PIN := $(VENV)/torch-constraint.txt
 # --no-compile: Python compiles a module when it is first imported; compiling every module of torch (or of
 # transformers...) up front cost about 16 s of CPU per install, mostly for modules no test imports.
 PIP_INSTALL := -m pip install -q --no-compile
 
-# Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies (never
-# touching torch), never into .venv: into TRITON_DIR (the `triton` target), and into a megatron-core release's folder
-# (below) when that release imports it and none is importable (a CUDA torch brings its own).
+# Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies
+# (never touching torch) and only where none is importable (a CUDA torch brings its own).
 TRITON_VERSION ?= 3.7.1
-TRITON_DIR := .triton/$(TRITON_VERSION)
 
 # `make test MCORE=0.14.0`: the suite against another megatron-core release, installed (pure Python, no
 # dependencies) into .mcore/VERSION and put ahead of the venv's megatron-core on PYTHONPATH. 0.17 on declare
@@ -57,23 +57,14 @@ $(MCORE_STAMP): | $(STAMP)
 	touch $@
 
 # The logging backends against the real tensorboard, wandb, mlflow and swanlab (pinned in
-# tests/requirements-backends.txt), in a venv of their own (.venv-backends: torch as .venv has it, pinned so that no
-# install can replace it, and this package). .venv never holds them: megatron-core imports wandb whenever it can, so
-# what `make test` and the Slurm jobs import stays the same, and CI runs these suites beside the others.
-BACKENDS_VENV ?= .venv-backends
-BACKENDS_PY := $(BACKENDS_VENV)/bin/python
-BACKENDS_STAMP := $(BACKENDS_VENV)/.logging-backends-installed
-TORCH_PIN := $(BACKENDS_VENV)/torch-constraint.txt
-
+# tests/requirements-backends.txt), with the venv's torch pinned so that no install can replace it.
 test-backends: $(BACKENDS_STAMP)
-	$(BACKENDS_PY) -m pytest tests/test_backends.py
+	$(PY) -m pytest tests/test_backends.py
 
-$(BACKENDS_STAMP): setup.py tests/requirements-backends.txt
-	test -x $(BACKENDS_PY) || $(PYTHON) -m venv --system-site-packages $(BACKENDS_VENV)
-	$(BACKENDS_PY) -c "import torch" 2>/dev/null || $(BACKENDS_PY) $(PIP_INSTALL) torch==2.13.0
-	$(BACKENDS_PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
-	$(BACKENDS_PY) $(PIP_INSTALL) -c $(TORCH_PIN) -e '.[test]' -r tests/requirements-backends.txt
-	$(BACKENDS_PY) -c "import sys, torch; pin = open('$(TORCH_PIN)').read().split('==')[1].strip(); \
+$(BACKENDS_STAMP): $(STAMP) tests/requirements-backends.txt
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(TORCH_PIN)
+	$(PY) $(PIP_INSTALL) -c $(TORCH_PIN) -r tests/requirements-backends.txt
+	$(PY) -c "import sys, torch; pin = open('$(TORCH_PIN)').read().split('==')[1].strip(); \
 	          sys.exit(None if torch.__version__ == pin else f'torch changed from {pin} to {torch.__version__}')"
 	touch $@
 
@@ -122,13 +113,12 @@ test-twinkle: $(TWINKLE_STAMP)
 # --no-deps) and import it behind the smallest stubs. Bridge needs megatron-core >= 0.18: 0.19.2 is installed without
 # dependencies into the matrix's folder (.mcore/0.19.2, what `make test MCORE=0.19.2` uses: CI installs it once for
 # both), put first on PYTHONPATH (its metadata asks for Python >= 3.12, its code runs on 3.11), with Triton, which it
-# imports (TRITON_DIR: the `triton` target). The logging packages (test-backends' venv) are Bridge's loggers.
+# imports. The logging packages (test-backends' install) are Bridge's loggers.
 BRIDGE_MCORE ?= 0.19.2
 BRIDGE_MCORE_DIR := .mcore/$(BRIDGE_MCORE)
 
 test-bridge: $(BACKENDS_STAMP) triton $(BRIDGE_MCORE_DIR)/.installed
-	TWINKLE_BRIDGE_TEST=1 PYTHONPATH=$(abspath $(BRIDGE_MCORE_DIR)):$(abspath $(TRITON_DIR)) $(BACKENDS_PY) -m pytest \
-		tests/bridge
+	TWINKLE_BRIDGE_TEST=1 PYTHONPATH=$(abspath $(BRIDGE_MCORE_DIR)) $(PY) -m pytest tests/bridge
 
 # Defined here only when MCORE names another release: with MCORE=$(BRIDGE_MCORE) the matrix's rule makes this stamp.
 ifneq ($(MCORE),$(BRIDGE_MCORE))
@@ -154,18 +144,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do $(PY) $$script || exit 1; done
 
-# The pinned Triton for kernel-test and test-bridge, in TRITON_DIR (on those targets' PYTHONPATH, ahead of any other):
-# .venv stays as it was (megatron-core imports triton whenever it can, in every rank of the Slurm jobs).
-triton: $(TRITON_DIR)/.installed
-
-$(TRITON_DIR)/.installed: | $(STAMP)
-	$(PY) $(PIP_INSTALL) --no-deps --target $(TRITON_DIR) triton==$(TRITON_VERSION)
-	touch $@
+triton: $(STAMP)
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) $(PIP_INSTALL) --no-deps triton==$(TRITON_VERSION)
 
 # The Triton kernel under Triton's interpreter on CPU (no GPU needed), the selection rule, gpu-check's CPU parts.
 kernel-test: triton
-	TRITON_INTERPRET=1 PYTHONPATH=$(abspath $(TRITON_DIR)) $(PY) -m pytest tests/test_triton_token_stats.py \
-		tests/test_kernel_select.py tests/test_gpu_check.py
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/test_triton_token_stats.py tests/test_kernel_select.py tests/test_gpu_check.py
 
 # On one CUDA device: the `cuda` tests (with the kernel's tests, compiled), the kernel check that writes the record
 # kernel="auto" reads (twinkle-megatron kernel-check), then the timings (benchmarks/gpu_timings.py). Without CUDA
@@ -180,4 +164,4 @@ gpu-check: $(STAMP)
 	fi
 
 clean:
-	rm -rf $(VENV) $(TWINKLE_VENV) $(BACKENDS_VENV) .mcore .triton .cache build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TWINKLE_VENV) .mcore .cache build *.egg-info .pytest_cache .ruff_cache

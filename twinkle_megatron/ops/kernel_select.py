@@ -102,8 +102,8 @@ def choose_kernel(kernel: Optional[str], rows: torch.Tensor) -> str:
 
 def _check_can_run(rows: torch.Tensor) -> None:
     if not triton_installed():
-        raise RuntimeError("kernel='triton' but Triton is not installed (pip install --no-deps triton, the version "
-                           "your torch pins)")
+        raise RuntimeError("kernel='triton' but Triton is not installed (pip install --no-deps triton; "
+                           "`make kernel-test` installs the pinned version)")
     if rows.dtype not in KERNEL_DTYPES:
         raise TypeError(f"kernel='triton' takes {', '.join(map(str, KERNEL_DTYPES))} logits, got {rows.dtype} "
                         f"(use kernel='torch' or 'auto')")
