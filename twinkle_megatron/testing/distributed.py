@@ -2,7 +2,8 @@
 
 Workers are forked from the calling process (megatron-core, when a layout needs
 it, is imported once, in the parent), so eight ranks start in about a second. Each worker optionally
-initialises megatron-core's ``parallel_state`` for a TP×PP×CP×DP layout, runs
+initialises megatron-core's ``parallel_state`` for a TP×PP×CP×DP layout (gloo connects
+each group when it is first used: ``TORCH_GLOO_LAZY_INIT``, unless set), runs
 the function, and sends back its return value or its traceback. A worker that
 raises fails the test with that traceback; ranks that do not finish within the
 timeout are killed and the test fails, so a hang never blocks CI.
