@@ -10,6 +10,10 @@ TORCH_PIN := $(VENV)/torch-constraint.txt
 # --no-compile: Python compiles a module when it is first imported; compiling every module of torch (or of
 # transformers...) up front cost about 16 s of CPU per install, mostly for modules no test imports.
 PIP_INSTALL := -m pip install -q --no-compile
+# ...and writes it to __pycache__ then, for every later interpreter (a test session starts dozens: pytest's workers,
+# the fork servers, the demo and the Slurm recipe's checks), unless PYTHONDONTWRITEBYTECODE is set, as it is on some
+# CI machines: there each interpreter compiled again every module it imported that had no cache, about 1.2 s each.
+unexport PYTHONDONTWRITEBYTECODE
 
 # Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies
 # (never touching torch) and only where none is importable (a CUDA torch brings its own).

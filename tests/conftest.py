@@ -1,5 +1,6 @@
 """Session-wide test setup (runs before any test module is imported)."""
 
+import gc
 import os
 
 import pytest
@@ -24,3 +25,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # What collection imported (torch, megatron-core, the test modules: millions of objects) lives as long as the
+    # session: frozen, the collector's full passes stop walking it, and the ranks forked for each test inherit it
+    # frozen, so their collector never touches (and never copies) those pages.
+    gc.freeze()

@@ -66,7 +66,9 @@ def test_command_for_2_nodes_of_4_gpus(capsys):
     assert captured.err == ""  # the layout summary comes from node 0 only
 
 
-def test_node_zero_prints_the_layout_once(capsys):
+def test_node_zero_prints_the_layout_once(capsys, monkeypatch):
+    # The job's $PYTHON runs the launcher and so the check: here the fork server's (imports paid once per session).
+    monkeypatch.setattr(launch.sys, "executable", python_executable())
     script = os.path.join(ROOT, "examples", "train_gpt.py")
     node_zero = {**SLURM_ENV, "SLURM_NODEID": "0", **PACKAGE_PATH}
     assert launch.main(["--dry-run", "--tp", "2", "--pp", "2", script], env=node_zero) == 0

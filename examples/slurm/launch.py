@@ -255,18 +255,19 @@ CHECK_FLAG = "--check-flags"
 
 
 def check_script_flags(job: SlurmJob, script: Sequence[str], env: Mapping[str, str],
-                       python: str = sys.executable) -> str:
+                       python: Optional[str] = None) -> str:
     """Run ``script`` (the script and its arguments) with ``--check-flags`` as rank 0 of the job's world.
 
     ``examples/train_gpt.py --check-flags`` checks its model flags against the layout and the
     world size (heads by TP, layers by PP × VPP, ...) and exits: 0 when they work, 2 with one
     ``error:`` line. Returns a line for the job output; raises :class:`LaunchError` with the
-    script's error. A script without the flag is reported as unchecked, not refused.
+    script's error. A script without the flag is reported as unchecked, not refused. ``python``: the
+    interpreter that runs the check (default: the one running this launcher, the job's ``$PYTHON``).
     """
     rank_env = {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(job.world_size)}
     try:
-        done = subprocess.run([python, *script, CHECK_FLAG], env=rank_env, capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([python or sys.executable, *script, CHECK_FLAG], env=rank_env, capture_output=True,
+                              text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise LaunchError(f"cannot check the flags of {script[0]}: {error}") from None
     errors = [line for line in done.stderr.splitlines() if line.strip()]

@@ -77,7 +77,7 @@ sys.exit(code)
 '''
 
 SERVER = CLIENT + r'''
-import atexit, importlib, runpy, signal, sys, threading, time, traceback, warnings
+import atexit, gc, importlib, runpy, signal, sys, threading, time, traceback, warnings
 
 address, executable = sys.argv[1], sys.argv[2]
 preimported, loaded_packages = json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -90,6 +90,8 @@ with warnings.catch_warnings():
         except Exception:
             pass
 sys.stdout.flush(); sys.stderr.flush()
+# The children inherit the imported heap frozen: their garbage collector never walks it (nor copies its pages).
+gc.freeze()
 base_path = list(sys.path[1:])
 own_path = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
 

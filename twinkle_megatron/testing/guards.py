@@ -1,9 +1,12 @@
 """The structural guard: counts c10d collectives and forbids (or counts) host syncs, at the dispatcher.
 
 Everything a tensor does reaches the dispatcher, whichever Python spelling
-called it, so a ``TorchDispatchMode`` sees every collective (``dist.all_reduce``,
-``all_gather_object``'s internal gathers, megatron's p2p) and every op that
-makes the host wait for the device on a GPU:
+called it. Collectives are counted by a kernel of this module's, registered
+for the autograd keys of every ``c10d`` op while a count is open: it sees
+every collective (``dist.all_reduce``, ``all_gather_object``'s internal
+gathers, megatron's p2p) and costs the other ops nothing, so a whole training
+loop can be counted. Host syncs are caught by a ``TorchDispatchMode``, which
+sees every op that makes the host wait for the device on a GPU:
 
 * reading a value: ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``
   (``aten::_local_scalar_dense``, ``aten::is_nonzero``, ``aten::equal``);
@@ -22,7 +25,9 @@ other data lives, which on a GPU is no host copy.)
 
 Public: ``with forbid_host_sync() as guard:`` (raises :class:`HostSyncError` at
 the first sync; ``guard.collectives`` counts), ``with count_collectives() as
-counts:``, and :func:`host_sync_free` to guard a method in place.
+counts:`` (the count alone: no mode, so the ops in between run at full speed),
+and :func:`host_sync_free` to guard a method in place. Counts nest: every open
+count sees each collective, from whichever thread issued it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -81,18 +86,12 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name, _, overload = func.name().partition(".")  # "aten::repeat_interleave.Tensor": the op, its overload
-        if func.namespace == "c10d":
-            name = name.split("::", 1)[1]
-            if name in _COLLECTIVE_NAMES:
-                self.guard.collectives[_COLLECTIVE_NAMES[name]] += 1
-        else:
-            if name in _VALUE_READS or name in _VALUE_SIZED:
-                self.guard.host_sync(name)
-            elif name in _MASK_INDEXED and _has_mask_index(args):
-                self.guard.host_sync(f"{name} with a boolean mask")
-            elif name == "aten::repeat_interleave" and kwargs.get("output_size") is None and \
-                    overload != "self_int":
-                self.guard.host_sync(f"{name} without output_size")
+        if name in _VALUE_READS or name in _VALUE_SIZED:
+            self.guard.host_sync(name)
+        elif name in _MASK_INDEXED and _has_mask_index(args):
+            self.guard.host_sync(f"{name} with a boolean mask")
+        elif name == "aten::repeat_interleave" and kwargs.get("output_size") is None and overload != "self_int":
+            self.guard.host_sync(f"{name} without output_size")
         return func(*args, **kwargs)
 
 
@@ -125,8 +124,45 @@ class Guard:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Guard]:
-        with _Functions(self), _Dispatch(self):
+        with _counting(self.collectives), _Functions(self), _Dispatch(self):
             yield self
+
+
+# The open counts, and the library that holds the counting kernels while any is open.
+_open_counts: list[Counter] = []
+_counting_library: Optional[torch.library.Library] = None
+
+
+def _counting_kernel(op: Any, name: str) -> Callable:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for counts in _open_counts:
+            counts[name] += 1
+        # Then the op itself: its kernels below autograd (a dispatch mode, the backend's).
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+    return kernel
+
+
+@contextlib.contextmanager
+def _counting(counts: Counter) -> Iterator[Counter]:
+    """Count into ``counts`` the collectives issued inside the block."""
+    global _counting_library
+    if not _open_counts:
+        # c10d's ops have no autograd kernels (they fall through those keys to the backend's): ours go there.
+        _counting_library = torch.library.Library("c10d", "IMPL")
+        ops = {op.split("::", 1)[1].split(".")[0] for op in torch._C._dispatch_get_all_op_names()
+               if op.startswith("c10d::")}
+        for op in sorted(ops & _COLLECTIVE_NAMES.keys()):
+            _counting_library.impl(op, _counting_kernel(getattr(torch.ops.c10d, op), _COLLECTIVE_NAMES[op]),
+                                   "Autograd")
+    _open_counts.append(counts)
+    try:
+        yield counts
+    finally:
+        _open_counts[:] = [open_count for open_count in _open_counts if open_count is not counts]  # by identity
+        if not _open_counts:
+            _counting_library._destroy()
+            _counting_library = None
 
 
 @contextlib.contextmanager
@@ -148,5 +184,5 @@ def host_sync_free(function: Callable) -> Callable:
 @contextlib.contextmanager
 def count_collectives() -> Iterator[Counter]:
     """Count the collectives issued inside the block (host syncs allowed)."""
-    with Guard(forbid=False).active() as guard:
-        yield guard.collectives
+    with _counting(Counter()) as counts:
+        yield counts
