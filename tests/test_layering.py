@@ -35,6 +35,10 @@ EXTERNAL_PRIVATE = {
     "_foreach_add_": "token_sums: torch's multi-tensor add (what torch.optim's foreach path uses): a metric's "
                      "sums of a microbatch added to their states in one op, one launch on an accelerator",
     "_foreach_maximum_": "token_sums: torch's multi-tensor maximum, likewise for a metric's maxima",
+    "_AutoDispatchBelowAutograd": "testing.guards: the collective-counting kernel (registered for c10d's autograd "
+                                  "keys) hands the op on to its kernels below autograd, as torch's own do",
+    "_destroy": "testing.guards: the counting kernels are removed when the last count closes (torch.library's "
+                "Library has no public way to remove what it registered)",
     "os._exit": "testing.distributed: a forked worker leaves without the parent's atexit handlers (the stdlib's "
                 "documented way out of a forked child)",
 }

@@ -150,11 +150,9 @@ def _counting(counts: Counter) -> Iterator[Counter]:
     if not _open_counts:
         # c10d's ops have no autograd kernels (they fall through those keys to the backend's): ours go there.
         _counting_library = torch.library.Library("c10d", "IMPL")
-        ops = {op.split("::", 1)[1].split(".")[0] for op in torch._C._dispatch_get_all_op_names()
-               if op.startswith("c10d::")}
-        for op in sorted(ops & _COLLECTIVE_NAMES.keys()):
-            _counting_library.impl(op, _counting_kernel(getattr(torch.ops.c10d, op), _COLLECTIVE_NAMES[op]),
-                                   "Autograd")
+        for op, name in _COLLECTIVE_NAMES.items():
+            if hasattr(torch.ops.c10d, op):  # this torch's ops
+                _counting_library.impl(op, _counting_kernel(getattr(torch.ops.c10d, op), name), "Autograd")
     _open_counts.append(counts)
     try:
         yield counts
