@@ -258,6 +258,8 @@ def test_the_console_shows_compact_step_lines_and_no_megatron_warnings(tmp_path)
             assert text.rstrip("s%GiB") in ("0",) or len(digits) >= 3 or "e" in text, (label, text)
     record = _records(tmp_path)[-1]
     assert {"entropy", "loss/easy", "perf/tokens_per_second"} <= set(record)  # the full record in JSONL
-    shown = subprocess.run(command[:-2] + ["jsonl", "--megatron-warnings", "--steps", "1"], capture_output=True,
-                           text=True, timeout=240, cwd=ROOT)
+    # megatron-core warns when it is imported: one step on one rank, a run of its own, shows it.
+    shown = subprocess.run(command[:-2] + ["jsonl", "--megatron-warnings", "--steps", "1", "--tp", "1", "--pp", "1",
+                                           "--run-name", "warnings"], capture_output=True, text=True, timeout=240,
+                           cwd=ROOT)
     assert shown.returncode == 0 and "UserWarning" in shown.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kit.fork_server import python_executable, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -51,11 +52,11 @@ def test_without_cuda_each_part_says_so_and_exits_0(tmp_path: Path, capsys) -> N
     record = tmp_path / "record.json"
     assert main(["kernel-check", "--record", str(record)]) == 0
     assert capsys.readouterr().out.strip() == NO_CUDA_MESSAGE and not record.exists()
-    out = subprocess.run([sys.executable, "benchmarks/gpu_timings.py"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    # Both as a user runs them, each Python forked from the fork server (imports paid once per session).
+    out = run_python(["benchmarks/gpu_timings.py"], cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == gpu_timings.NO_CUDA_MESSAGE
-    out = subprocess.run(["make", "-s", "gpu-check", f"PY={sys.executable}", "STAMP="], cwd=ROOT,
+    out = subprocess.run(["make", "-s", "gpu-check", f"PY={python_executable()}", "STAMP="], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("gpu-check: no CUDA device"), out.stdout + out.stderr
 
