@@ -74,3 +74,29 @@ def test_the_guard_counts_collectives_at_the_dispatcher():
     for counts in run_distributed(_collectives, world_size=2):
         # all_gather_object is two gathers on the wire: the sizes, then the bytes.
         assert counts == {"all_reduce": 2, "all_gather": 2, "broadcast": 1}
+
+
+def _autograd_kernel_of_all_reduce() -> bool:
+    """Whether the guard's counting kernel is registered (the dispatch table names where each kernel came from)."""
+    return "testing/guards.py" in torch._C._dispatch_dump_table("c10d::allreduce_")
+
+
+def _nested_counts() -> tuple:
+    tensor = torch.ones(3)
+    assert not _autograd_kernel_of_all_reduce()
+    with count_collectives() as outer:
+        dist.all_reduce(tensor)
+        with forbid_host_sync() as guard:  # a guarded hook inside a counted loop: both see its collectives
+            dist.all_reduce(tensor)
+            dist.all_reduce(tensor.requires_grad_())
+        dist.broadcast(tensor, src=0)
+    removed = not _autograd_kernel_of_all_reduce()
+    dist.all_reduce(tensor)  # after the counts closed: counted nowhere
+    return dict(outer), dict(guard.collectives), removed
+
+
+def test_counts_nest_and_end_with_their_block():
+    for outer, inner, removed in run_distributed(_nested_counts, world_size=2):
+        assert outer == {"all_reduce": 3, "broadcast": 1}
+        assert inner == {"all_reduce": 2}
+        assert removed, "the counting kernel outlived the last count"

@@ -27,7 +27,10 @@ Public: ``with forbid_host_sync() as guard:`` (raises :class:`HostSyncError` at
 the first sync; ``guard.collectives`` counts), ``with count_collectives() as
 counts:`` (the count alone: no mode, so the ops in between run at full speed),
 and :func:`host_sync_free` to guard a method in place. Counts nest: every open
-count sees each collective, from whichever thread issued it.
+count sees each collective, from whichever thread issued it. A collective issued
+under ``torch.inference_mode()`` is not counted: inference mode skips the
+autograd keys (megatron-core's training and evaluation loops use ``no_grad``,
+which does not).
 """
 
 from __future__ import annotations
