@@ -18,13 +18,13 @@ if not torch.cuda.is_available():
 CUDA_TESTS_ON_CPU = os.environ.get("TWINKLE_MEGATRON_CUDA_TESTS_ON_CPU") == "1"
 
 
-# The files that take longest (about 20 to 80 s each on 2 cores), in that order. They run first: pytest-xdist
-# (`make test`, --dist loadfile) hands out whole files in collection order, and a long file handed out last would
+# The files that take longest (about 8 to 36 s each in a 2-core `make test`), in that order. They run first:
+# pytest-xdist (--dist loadfile) hands out whole files in collection order, and a long file handed out last would
 # leave the other worker idle until it ends.
-LONGEST_FIRST = ("test_megatron_lm_loop.py", "test_demo.py", "test_slurm.py", "test_fused_loss.py",
-                 "test_incidents.py", "test_megatron_instrument.py", "test_layer_norms.py", "test_forward_step.py",
-                 "test_demo_incidents.py", "test_docs_examples.py", "test_cli.py", "test_rollout_mismatch.py",
-                 "test_demo_divergence.py")
+LONGEST_FIRST = ("test_megatron_lm_loop.py", "test_demo.py", "test_fused_loss.py", "test_incidents.py",
+                 "test_docs_examples.py", "test_forward_step.py", "test_slurm.py", "test_demo_incidents.py",
+                 "test_rollout_mismatch.py", "test_megatron_instrument.py", "test_rollout_routing.py",
+                 "test_layer_norms.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
