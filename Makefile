@@ -11,8 +11,9 @@ TORCH_PIN := $(VENV)/torch-constraint.txt
 # transformers...) up front cost about 16 s of CPU per install, mostly for modules no test imports.
 PIP_INSTALL := -m pip install -q --no-compile
 # ...and writes it to __pycache__ then, for every later interpreter (a test session starts dozens: pytest's workers,
-# the fork servers, the demo and the Slurm recipe's checks), unless PYTHONDONTWRITEBYTECODE is set, as it is on some
-# CI machines: there each interpreter compiled again every module it imported that had no cache, about 1.2 s each.
+# the fork servers, the demo and the Slurm recipe's ranks), unless PYTHONDONTWRITEBYTECODE is set, as it is on the
+# machines this project is developed on: there each interpreter compiled again every module it imported that had no
+# cache (about 1.2 s of `import megatron.core`).
 unexport PYTHONDONTWRITEBYTECODE
 
 # Triton for the fused token-statistics kernel: the version torch 2.13 pins. Installed without dependencies
