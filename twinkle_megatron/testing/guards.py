@@ -151,7 +151,7 @@ def _counting(counts: Counter) -> Iterator[Counter]:
     """Count into ``counts`` the collectives issued inside the block."""
     global _counting_library
     if not _open_counts:
-        # c10d's ops have no autograd kernels (they fall through those keys to the backend's): ours go there.
+        # c10d's ops have no autograd kernels of their own (autograd's fallback passes them on): ours go there.
         _counting_library = torch.library.Library("c10d", "IMPL")
         for op, name in _COLLECTIVE_NAMES.items():
             if hasattr(torch.ops.c10d, op):  # this torch's ops
